@@ -1,0 +1,27 @@
+"""The model's config schema (Hydra group ``model``).
+
+One dataclass for both families so a misspelt key fails at start-up; fields a family does not use
+are ignored by it (documented per field).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny_llama"
+    family: str = "llama"  # llama | gpt
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: Optional[int] = None  # llama only; None = n_head (no grouped-query attention)
+    d_model: int = 256
+    ffn_hidden: Optional[int] = None  # llama: SwiGLU width; gpt: MLP width (None = 4 * d_model)
+    vocab_size: int = 8192  # embedding rows (may be padded above the tokenizer's vocabulary)
+    seq_len: int = 256
+    rope_theta: float = 10000.0  # llama only
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    attention: str = "auto"  # auto | sdpa | flash

@@ -1,0 +1,33 @@
+"""The optimizer selector's config schema (Hydra group ``optimizer``).
+
+One dataclass for AdamW, AdamS and SCAPE: the SCAPE keys (../shared/specs/SCAPE.md, "Options")
+are ignored by the dense optimizers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"  # adamw | adams | scape
+    lr: float = 3e-3
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # on tensors with ndim >= 2 only
+    grad_clip: float = 1.0  # 0 = off
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1  # cosine floor, as a fraction of lr
+    # --- SCAPE ---
+    sparsity: float = 0.99
+    dense_warmup_steps: int = 1
+    sparsity_warmup_steps: int = 0
+    mask_transport: str = "auto"  # bitmap | indices | auto
+    value_dtype: str = "fp32"  # fp32 | bf16
+    offload_residual: bool = False
+    lag: bool = True
+    update: str = "lazy"  # lazy | all
+    stale_scale_cap: int = 1
+    base: str = "adams"  # adams | adamw
+    score: str = "moment"  # moment | gradient

@@ -1,0 +1,87 @@
+"""Counted collectives: the one place where bytes crossing ranks are measured.
+
+Every collective the trainer makes (dense all-reduce, SCAPE's sparse all-reduce and mask
+all-gather, SDP's holder-group all-reduces) goes through these wrappers so the per-step byte
+counts by kind are complete by construction.
+
+Bytes are "bytes sent per rank" under the bandwidth-optimal ring algorithms (the convention of
+nccl-tests' bus bandwidth): an all-reduce of S bytes over N ranks sends 2 (N - 1) / N * S, an
+all-gather whose local part is S bytes sends (N - 1) * S, a broadcast of S bytes sends S
+(pipelined chain). A group of one rank sends nothing.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def _group_size(group: Optional[dist.ProcessGroup]) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def all_reduce_bytes(nbytes: int, world: int) -> float:
+    """Bytes one rank sends in a ring all-reduce of ``nbytes``."""
+    return 0.0 if world <= 1 else 2.0 * (world - 1) / world * nbytes
+
+
+def all_gather_bytes(local_nbytes: int, world: int) -> float:
+    """Bytes one rank sends in a ring all-gather whose local part is ``local_nbytes``."""
+    return 0.0 if world <= 1 else float((world - 1) * local_nbytes)
+
+
+class CommCounter:
+    """Bytes sent by this rank, by kind, since the last ``reset``."""
+
+    def __init__(self) -> None:
+        self.bytes: Dict[str, float] = defaultdict(float)
+        self.calls: Dict[str, int] = defaultdict(int)
+
+    def add(self, kind: str, nbytes: float) -> None:
+        self.bytes[kind] += nbytes
+        self.calls[kind] += 1
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+    def total(self) -> float:
+        return float(sum(self.bytes.values()))
+
+
+COUNTER = CommCounter()
+
+
+def all_reduce(tensor: torch.Tensor, kind: str, op=None, group=None, async_op: bool = False):
+    """``dist.all_reduce`` counted under ``kind``; a no-op outside a process group."""
+    world = _group_size(group)
+    COUNTER.add(kind, all_reduce_bytes(tensor.numel() * tensor.element_size(), world))
+    if world <= 1:
+        return None
+    return dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_gather_into_tensor(output: torch.Tensor, local: torch.Tensor, kind: str, group=None,
+                           async_op: bool = False):
+    """``dist.all_gather_into_tensor`` counted under ``kind``; a copy outside a process group."""
+    world = _group_size(group)
+    COUNTER.add(kind, all_gather_bytes(local.numel() * local.element_size(), world))
+    if world <= 1:
+        output.copy_(local.reshape(output.shape))
+        return None
+    return dist.all_gather_into_tensor(output, local, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, kind: str, group=None, async_op: bool = False):
+    """``dist.broadcast`` counted under ``kind`` (only the source sends)."""
+    world = _group_size(group)
+    if world <= 1:
+        return None
+    rank = dist.get_rank()
+    if rank == src:
+        COUNTER.add(kind, float(tensor.numel() * tensor.element_size()))
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
