@@ -1,0 +1,222 @@
+"""What both families share: attention kernels, initialisation, the trunk's forward and loss.
+
+The families (models/llama.py, models/gpt.py) only define their blocks and embeddings; the loop
+over blocks, activation checkpointing, the LM head and the loss live here once, so the two
+cannot drift apart.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from models.config import ModelConfig
+
+ATTENTION_CHOICES = ("auto", "sdpa", "flash")
+
+
+def resolved_kv_heads(cfg: ModelConfig) -> int:
+    n_kv = cfg.n_head if (cfg.family == "gpt" or cfg.n_kv_head is None) else cfg.n_kv_head
+    if cfg.n_head % n_kv:
+        raise ValueError(f"model.n_head={cfg.n_head} must be a multiple of model.n_kv_head={n_kv}")
+    return n_kv
+
+
+def resolved_ffn_hidden(cfg: ModelConfig) -> int:
+    """MLP width; when unset: gpt 4 d, llama 8/3 d rounded up to a multiple of 256 (Llama's rule)."""
+    if cfg.ffn_hidden is not None:
+        return cfg.ffn_hidden
+    if cfg.family == "gpt":
+        return 4 * cfg.d_model
+    return 256 * math.ceil(8 * cfg.d_model / 3 / 256)
+
+
+def validate_config(cfg: ModelConfig) -> None:
+    if cfg.family not in ("llama", "gpt"):
+        raise ValueError(f"model.family={cfg.family!r}: expected llama or gpt")
+    if cfg.d_model % cfg.n_head:
+        raise ValueError(f"model.d_model={cfg.d_model} must be a multiple of model.n_head={cfg.n_head}")
+    if cfg.attention not in ATTENTION_CHOICES:
+        raise ValueError(f"model.attention={cfg.attention!r}: expected one of {ATTENTION_CHOICES}")
+    resolved_kv_heads(cfg)
+    if cfg.attention == "flash" and not flash_attn_installed():
+        raise ValueError(
+            "model.attention=flash but the flash-attn package is not installed (it needs CUDA; "
+            "there are no aarch64 wheels). Install it with `pip install flash-attn`, or set "
+            "model.attention=sdpa (PyTorch's fused attention) or model.attention=auto.")
+
+
+_FLASH_ATTN = None
+
+
+def flash_attn_installed() -> bool:
+    global _FLASH_ATTN
+    if _FLASH_ATTN is None:
+        try:
+            from flash_attn import flash_attn_func  # type: ignore[import-not-found]
+            _FLASH_ATTN = flash_attn_func
+        except ImportError:
+            _FLASH_ATTN = False
+    return _FLASH_ATTN is not False
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -> torch.Tensor:
+    """Causal self-attention on [B, T, H, hd] queries and [B, T, H_kv, hd] keys/values.
+
+    Returns [B, T, H, hd]. flash-attn takes this layout natively; SDPA wants heads first.
+    """
+    use_flash = (backend != "sdpa" and q.is_cuda and flash_attn_installed()
+                 and q.dtype in (torch.float16, torch.bfloat16))
+    if backend == "flash" and not use_flash:
+        if not q.is_cuda:
+            raise ValueError("model.attention=flash needs CUDA tensors; set model.attention=sdpa "
+                             "or auto on this device")
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"model.attention=flash needs bf16/fp16 activations (got {q.dtype}); "
+                             "train under bf16 autocast or set model.attention=sdpa or auto")
+    if use_flash:
+        return _FLASH_ATTN(q, k, v, causal=True)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if k.shape[1] != q.shape[1]:
+        repeat = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(repeat, dim=1)
+        v = v.repeat_interleave(repeat, dim=1)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return y.transpose(1, 2)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE in Llama's (HF's) half-split layout, so weights map to transformers unpermuted.
+
+    cos/sin are cached per (length, device) in fp32 and kept out of the state dict; they are
+    recomputed after a move between devices.
+    """
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        self._cache: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def cos_sin(self, length: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+        key = (length, str(device))
+        if key not in self._cache:
+            inv_freq = 1.0 / (self.theta ** (
+                torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float()
+                / self.head_dim))
+            positions = torch.arange(length, device=device, dtype=torch.float32)
+            freqs = torch.outer(positions, inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)  # [T, hd]
+            self._cache[key] = (emb.cos()[:, None, :], emb.sin()[:, None, :])  # [T, 1, hd]
+        return self._cache[key]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, H, hd]; cos/sin: [T, 1, hd] (fp32, cast to x's dtype as HF does)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos + rotated * sin
+
+
+# ---------------------------------------------------------------------------------------------
+# Initialisation
+
+RESIDUAL_OUTPUT_SUFFIXES = ("attn.o_proj.weight", "mlp.down_proj.weight", "mlp.proj.weight")
+
+
+def _parameter_seed(base_seed: int, name: str) -> int:
+    return (base_seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63 - 1)
+
+
+@torch.no_grad()
+def initialise(model: nn.Module, cfg: ModelConfig, full_shapes: Dict[str, torch.Size],
+               slices: Dict[str, Tuple[int, torch.Tensor]], base_seed: int) -> None:
+    """N(0, init_std) for matrices, init_std/sqrt(2 L) for residual output projections (GPT-2 /
+    nanoGPT / Megatron), zeros for biases, ones for norm weights.
+
+    Each tensor draws from its own generator seeded by (base_seed, parameter name), and a sliced
+    tensor is cut from its full-size draw, so a subnetwork starts exactly at the full model's
+    values restricted to what it holds (SDP holders must start identical). Only one full-size
+    tensor exists transiently at a time; unheld blocks are never drawn.
+    """
+    residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
+    for name, param in model.named_parameters():
+        if param.is_meta:
+            continue
+        if name.endswith(".bias"):
+            param.zero_()
+            continue
+        if "norm" in name:
+            param.fill_(1.0)
+            continue
+        std = residual_std if name.endswith(RESIDUAL_OUTPUT_SUFFIXES) else cfg.init_std
+        generator = torch.Generator(device=param.device)
+        generator.manual_seed(_parameter_seed(base_seed, name))
+        if name in slices:
+            dim, indices = slices[name]
+            full = torch.empty(full_shapes[name], device=param.device, dtype=param.dtype)
+            full.normal_(0.0, std, generator=generator)
+            param.copy_(full.index_select(dim, indices.to(param.device)))
+        else:
+            param.normal_(0.0, std, generator=generator)
+
+
+# ---------------------------------------------------------------------------------------------
+# The trunk
+
+
+class CausalLM(nn.Module):
+    """Embeddings -> held blocks -> final norm -> LM head, with the training loss.
+
+    ``blocks`` is a ModuleDict keyed by the layer index, so parameter names are
+    ``blocks.<layer>.…`` as in the full model even when a subnetwork holds only some blocks
+    (an unheld block is simply absent: the identity on the residual stream).
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.activation_checkpointing = False
+        self.blocks = nn.ModuleDict()
+
+    # Families provide these.
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def block_context(self, length: int, device: torch.device) -> tuple:
+        return ()
+
+    def head_weight(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        """Recompute each block's activations in backward (torch.utils.checkpoint, non-reentrant)."""
+        self.activation_checkpointing = bool(enabled)
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits [B, T, V] without targets; with targets (already shifted, -1 = ignore), the
+        mean next-token cross-entropy over all positions, computed in fp32."""
+        _, length = idx.shape
+        if length > self.cfg.seq_len:
+            raise ValueError(f"sequence length {length} exceeds model.seq_len={self.cfg.seq_len}")
+        x = self.embed(idx)
+        context = self.block_context(length, idx.device)
+        checkpointing = self.activation_checkpointing and torch.is_grad_enabled()
+        for block in self.blocks.values():
+            if checkpointing:
+                x = checkpoint(block, x, *context, use_reentrant=False)
+            else:
+                x = block(x, *context)
+        x = self.final_norm(x)
+        logits = F.linear(x, self.head_weight())
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1),
+                               ignore_index=-1)
