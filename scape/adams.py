@@ -1,0 +1,52 @@
+"""AdamS: Adam with the second moment replaced by the momentum itself.
+
+Formula and defaults: ../shared/specs/SCAPE.md, "AdamS (dense)" (official reference:
+pku-huzhang/AdamS). One state buffer per parameter (half of AdamW's optimizer memory); the
+update |m_t / c| / denom is bounded, which is what lets SCAPE feed it sparse, stale statistics.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Tuple
+
+import torch
+
+
+class AdamS(torch.optim.Optimizer):
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.95),
+                 eps: float = 1e-8, weight_decay: float = 0.1) -> None:
+        if lr < 0:
+            raise ValueError(f"optimizer.lr must be >= 0, got {lr}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"optimizer.betas must lie in [0, 1), got {tuple(betas)}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                adams_update_(p, p.grad, state["exp_avg"], int(state["step"].item()), lr, b1, b2, eps, wd)
+        return loss
+
+
+def adams_update_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, step: int, lr: float,
+                  b1: float, b2: float, eps: float, wd: float) -> None:
+    """One AdamS step on tensors in place (the reference the fused SCAPE kernels are tested against)."""
+    c = 1.0 - b1 ** step
+    if wd != 0.0:
+        p.mul_(1.0 - lr * wd)
+    denom = (b2 * (m / c).square() + (1.0 - b2) * g.square()).sqrt_().add_(eps)
+    m.mul_(b1).add_(g, alpha=1.0 - b1)
+    p.addcdiv_(m, denom, value=-lr / c)

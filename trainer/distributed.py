@@ -1,0 +1,67 @@
+"""Process-group setup: one process (no group) or torchrun (gloo on CPU, NCCL on CUDA)."""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_pref: str = "auto", timeout_s: int = 600) -> DistEnv:
+    """Join the process group torchrun describes in the environment, if any.
+
+    The timeout bounds every collective: a peer that died makes the others fail after
+    ``timeout_s`` with an error naming the operation instead of hanging for the job's lifetime.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_pref not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"train.device must be auto, cpu or cuda, got {device_pref!r}")
+    use_cuda = torch.cuda.is_available() if device_pref == "auto" else device_pref == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=cpu")
+    if use_cuda:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if use_cuda else None)
+    return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device)
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s value on every rank (e.g. a decision only rank 0 can make)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,123 @@
+"""Metric sinks (console, JSONL, wandb) and the throughput arithmetic behind perf/*.
+
+Metric names are grouped by prefix (train/, val/, perf/, comm/, scape/, sdp/, mem/) so a wandb
+workspace lays itself out. Only rank 0 creates a MetricsLogger.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+
+# Dense bf16 tensor-core peaks (no sparsity), FLOP/s per device.
+_PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12,
+              "A10G": 125e12, "L4": 121e12}
+
+
+def peak_flops(device: torch.device) -> Optional[float]:
+    """The device's dense bf16 peak, or None where MFU is not meaningful (CPU, unknown GPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key in sorted(_PEAK_BF16, key=len, reverse=True):  # GH200 before H200 before ...
+        if key in name:
+            return _PEAK_BF16[key]
+    return None
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak allocated bytes on the GPU, or this process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+
+
+def _wandb_mode(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    has_key = bool(os.environ.get("WANDB_API_KEY")) or (Path.home() / ".netrc").is_file() and \
+        "api.wandb.ai" in (Path.home() / ".netrc").read_text(errors="ignore")
+    return "online" if has_key else "offline"
+
+
+class MetricsLogger:
+    """Writes every logged step to ``metrics.jsonl`` (always), the console and wandb (if chosen)."""
+
+    def __init__(self, run_dir: Path, logger_cfg, run_name: str, config: Dict[str, Any],
+                 resumed: bool) -> None:
+        self.console = logger_cfg.console
+        self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self.wandb = None
+        if logger_cfg.wandb not in ("auto", "online", "offline", "disabled"):
+            raise ValueError(f"logger.wandb must be auto, online, offline or disabled, "
+                             f"got {logger_cfg.wandb!r}")
+        mode = _wandb_mode(logger_cfg.wandb)
+        if mode != "disabled":
+            import wandb
+
+            # The run id is the run name so a resumed or requeued job continues the same curves.
+            self.wandb = wandb.init(project=logger_cfg.project, entity=logger_cfg.entity,
+                                    group=logger_cfg.group, name=run_name, id=_wandb_id(run_name),
+                                    resume="allow", dir=str(run_dir), mode=mode, config=config)
+            print(f"wandb: mode {mode}, files in {run_dir / 'wandb'}", flush=True)
+
+    def log(self, step: int, metrics: Dict[str, float]) -> None:
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self.jsonl.write(json.dumps(record) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if self.console:
+            print(format_line(step, metrics), flush=True)
+
+    def summary(self, values: Dict[str, Any]) -> None:
+        if self.wandb is not None:
+            for k, v in values.items():
+                self.wandb.summary[k] = v
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _wandb_id(run_name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "-" for c in run_name)[:128]
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # JSON has no NaN; keep it readable
+    return v
+
+
+_CONSOLE_KEYS = [("train/loss", "loss {:.4f}"), ("val/loss", "val {:.4f}"), ("train/lr", "lr {:.2e}"),
+                 ("train/grad_norm", "gnorm {:.3f}"), ("perf/tokens_per_s", "tok/s {:,.0f}"),
+                 ("perf/tflops_per_device", "TFLOP/s {:.2f}"), ("perf/mfu", "MFU {:.1%}"),
+                 ("mem/peak_gib", "mem {:.2f}GiB"), ("comm/compression", "comm x{:.1f}")]
+
+
+def format_line(step: int, metrics: Dict[str, float]) -> str:
+    parts = [f"step {step:>6}"]
+    for key, fmt in _CONSOLE_KEYS:
+        if key in metrics and metrics[key] is not None:
+            try:
+                parts.append(fmt.format(float(metrics[key])))
+            except (TypeError, ValueError):
+                parts.append(f"{key} {metrics[key]}")
+    if "perf/step_time_s" in metrics:
+        parts.append("time " + "/".join(f"{metrics.get(f'perf/time_{k}_s', 0.0) * 1e3:.0f}"
+                                        for k in ("data", "fwd_bwd", "comm", "opt")) + " ms (data/fb/comm/opt)")
+    return " | ".join(parts)
+
+
+def print_main(env_is_main: bool, *args: Any) -> None:
+    if env_is_main:
+        print(*args, flush=True, file=sys.stdout)
