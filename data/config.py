@@ -11,6 +11,9 @@ class TokenizerConfig:
     kind: str = "bpe_local"  # bpe_local (trained on the corpus) | hf (hub id or local path)
     path: Optional[str] = None  # hub id or local folder / tokenizer.json for kind=hf
     vocab_size: int = 8192  # target size for bpe_local
+    min_frequency: int = 2  # bpe_local: a pair must occur this often to be merged
+    max_train_documents: Optional[int] = None  # bpe_local: train on the first N train documents
+    eos_token: Optional[str] = None  # the document separator; None = the tokenizer's own EOS
 
 
 @dataclass
@@ -30,3 +33,8 @@ class DataConfig:
     num_proc: int = 2
     shard_tokens: int = 100_000_000
     prefetch: int = 4  # micro-batches prepared ahead by the loader's background thread
+    max_val_documents: Optional[int] = None  # cap on hf_val_split documents
+    documents_per_piece: int = 1024  # unit of parallel work and of resume after a kill
+    token_dtype: str = "auto"  # auto (uint16 when the vocab fits) | uint16 | uint32
+    verify_checksums: bool = True  # sha256 every shard when a prepared folder is reused
+    txt_sample_by: str = "paragraph"  # .txt files: one document per paragraph | line | document

@@ -1,0 +1,58 @@
+"""Tokenizing one piece (a fixed run of consecutive documents) into a token file.
+
+This runs inside worker processes, so it imports only numpy and ``tokenizers``: a spawned
+worker starts in well under a second and never loads torch. A piece's output is a pure function
+of its documents and the tokenizer, which is why a resumed prepare can skip finished pieces.
+"""
+from __future__ import annotations
+
+import pathlib
+import time
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from .shards import atomic_write_json, atomic_write_tokens
+
+_worker_tokenizer = None
+_worker_eos_id: Optional[int] = None
+_worker_dtype: Optional[np.dtype] = None
+
+
+def init_worker(tokenizer_file: str, eos_id: int, dtype: str) -> None:
+    """Load the tokenizer once per process instead of once per piece."""
+    import os
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
+    from tokenizers import Tokenizer
+
+    global _worker_tokenizer, _worker_eos_id, _worker_dtype
+    _worker_tokenizer = Tokenizer.from_file(tokenizer_file)
+    _worker_eos_id = eos_id
+    _worker_dtype = np.dtype(dtype)
+
+
+def piece_paths(work_dir: pathlib.Path, split: str, index: int):
+    stem = work_dir / f"{split}-piece-{index:07d}"
+    return stem.with_suffix(".bin"), stem.with_suffix(".json")
+
+
+def tokenize_piece(work_dir: str, split: str, index: int, documents: List[str]) -> Dict[str, Any]:
+    """Write ``<split>-piece-<index>.bin`` then its ``.json``; the .json marks the piece done."""
+    started = time.perf_counter()
+    encodings = _worker_tokenizer.encode_batch(documents, add_special_tokens=False)
+    lengths = [len(e.ids) + 1 for e in encodings]
+    tokens = np.empty(sum(lengths), dtype=_worker_dtype)
+    position = 0
+    for encoding, length in zip(encodings, lengths):
+        tokens[position:position + length - 1] = encoding.ids
+        tokens[position + length - 1] = _worker_eos_id  # EOS after every document
+        position += length
+    tokens_path, meta_path = piece_paths(pathlib.Path(work_dir), split, index)
+    sha256 = atomic_write_tokens(tokens_path, tokens)
+    meta = {"split": split, "index": index, "num_tokens": int(tokens.size),
+            "num_documents": len(documents), "sha256": sha256,
+            "replacement_characters": sum(d.count("\ufffd") for d in documents),
+            "seconds": time.perf_counter() - started}
+    atomic_write_json(meta_path, meta)
+    return meta

@@ -1,0 +1,51 @@
+"""Small corpora the tests write themselves, and configs that prepare them quickly."""
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+from typing import List
+
+import pytest
+
+from data.config import DataConfig, TokenizerConfig
+
+_WORDS = ("the loader reads memory mapped token shards while the trainer waits for nothing "
+          "tokens documents epochs ranks seeds steps windows prefetch manifest checksum python "
+          "language reference grammar expression statement").split()
+
+
+def make_documents(count: int, seed: int = 0) -> List[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(5, 60))) + f" doc{i}."
+            for i in range(count)]
+
+
+def write_jsonl(path: pathlib.Path, documents: List[str], field: str = "text") -> pathlib.Path:
+    path.write_text("".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(documents)),
+                    encoding="utf-8")
+    return path
+
+
+def local_config(tmp_path: pathlib.Path, paths, **overrides) -> DataConfig:
+    values = dict(name="testcorpus", source="local", paths=[str(p) for p in paths],
+                  cache_dir=str(tmp_path / "cache"), val_fraction=0.2, num_proc=1,
+                  documents_per_piece=16)
+    values.update(overrides)
+    return DataConfig(**values)
+
+
+def small_bpe(**overrides) -> TokenizerConfig:
+    values = dict(name="bpe_small", kind="bpe_local", vocab_size=300)
+    values.update(overrides)
+    return TokenizerConfig(**values)
+
+
+@pytest.fixture
+def documents() -> List[str]:
+    return make_documents(120)
+
+
+@pytest.fixture
+def jsonl_corpus(tmp_path, documents) -> pathlib.Path:
+    return write_jsonl(tmp_path / "corpus.jsonl", documents)
