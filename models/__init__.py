@@ -10,6 +10,7 @@ Public surface (other parts code against it):
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Union
 
 import torch
@@ -54,9 +55,14 @@ def build_model(cfg: ModelConfig, subnet: Optional[SubnetSpec] = None,
     device = torch.device(device) if device is not None else torch.device("cpu")
     base_seed = int(torch.randint(0, 2 ** 62, (1,)).item())
     family = _FAMILIES[cfg.family]
-    with device:
+    # Construct shapes only, then allocate once on the target device and draw our own init
+    # (no throw-away default init, no full-size CPU copy of a big model).
+    with torch.device("meta"), warnings.catch_warnings():
+        # nn.Linear's default init complains about the empty weights of a block holding no head.
+        warnings.filterwarnings("ignore", message="Initializing zero-element tensors is a no-op")
         model = family(cfg, subnet)
     if device.type != "meta":
+        model.to_empty(device=device)
         slices = parameter_slices(cfg, subnet)
         full_shapes = {}
         if slices:

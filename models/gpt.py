@@ -31,8 +31,10 @@ class GPTAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
-        if self.n_heads == 0:  # a subnetwork holding no head of this block: only the bias remains
-            return self.o_proj.bias.expand_as(x)
+        if self.n_heads == 0:
+            # A subnetwork holding no head of this block: only o_proj's bias remains, computed
+            # through the (empty) projections so every held tensor gets a gradient.
+            return self.o_proj(self.q_proj(x) + self.k_proj(x) + self.v_proj(x))
         shape = (batch, length, self.n_heads, self.head_dim)
         q = self.q_proj(x).view(shape)
         k = self.k_proj(x).view(shape)

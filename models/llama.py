@@ -43,8 +43,11 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
-        if self.n_heads == 0:  # a subnetwork holding no head of this block
-            return torch.zeros_like(x)
+        if self.n_heads == 0:
+            # A subnetwork holding no head of this block: the output is zero, but computed
+            # through the (empty) projections so every held tensor, the norm included, gets a
+            # gradient (zeros) like in any other block.
+            return self.o_proj(self.q_proj(x) + self.k_proj(x) + self.v_proj(x))
         q = self.q_proj(x).view(batch, length, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(batch, length, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, length, self.n_kv_heads, self.head_dim)
