@@ -1,0 +1,45 @@
+"""Validation of the SCAPE keys of ``OptimizerConfig``: a bad setting fails at start-up, naming the key."""
+from __future__ import annotations
+
+from scape.config import OptimizerConfig
+from scape.transport import TRANSPORTS
+
+VALUE_DTYPES = ("fp32", "bf16")
+UPDATES = ("lazy", "all")
+BASES = ("adams", "adamw")
+SCORES = ("moment", "gradient")
+
+
+def _choice(key: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"optimizer.{key}={value!r} is not supported; allowed values: "
+                         f"{', '.join(map(str, allowed))}")
+
+
+def validate_config(cfg: OptimizerConfig) -> None:
+    sparsity = cfg.sparsity
+    if not (isinstance(sparsity, (int, float)) and 0.0 <= sparsity < 1.0):
+        raise ValueError(f"optimizer.sparsity={sparsity!r} must lie in [0, 1) "
+                         f"(0 = dense, 0.99 = send 1% of the values)")
+    _choice("mask_transport", cfg.mask_transport, TRANSPORTS)
+    _choice("value_dtype", cfg.value_dtype, VALUE_DTYPES)
+    _choice("update", cfg.update, UPDATES)
+    _choice("base", cfg.base, BASES)
+    _choice("score", cfg.score, SCORES)
+    _choice("lag", cfg.lag, (True, False))
+    _choice("offload_residual", cfg.offload_residual, (True, False))
+    if int(cfg.dense_warmup_steps) != cfg.dense_warmup_steps or cfg.dense_warmup_steps < 1:
+        raise ValueError(f"optimizer.dense_warmup_steps={cfg.dense_warmup_steps!r} must be an integer "
+                         f">= 1: step 1 is always dense (it produces the first mask)")
+    if int(cfg.sparsity_warmup_steps) != cfg.sparsity_warmup_steps or cfg.sparsity_warmup_steps < 0:
+        raise ValueError(f"optimizer.sparsity_warmup_steps={cfg.sparsity_warmup_steps!r} must be an "
+                         f"integer >= 0 (0 = off)")
+    if int(cfg.stale_scale_cap) != cfg.stale_scale_cap or cfg.stale_scale_cap < 1:
+        raise ValueError(f"optimizer.stale_scale_cap={cfg.stale_scale_cap!r} must be an integer >= 1 "
+                         f"(1 = off)")
+    if cfg.stale_scale_cap > 1 and cfg.update != "lazy":
+        raise ValueError(f"optimizer.stale_scale_cap={cfg.stale_scale_cap} scales lazy updates only; "
+                         f"it needs optimizer.update=lazy, got {cfg.update!r}")
+    b1, b2 = cfg.betas
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+        raise ValueError(f"optimizer.betas={list(cfg.betas)} must lie in [0, 1)")
