@@ -1,0 +1,81 @@
+"""Subnetwork data parallelism (../shared/specs/SDP.md): the planner and holder-set aggregation.
+
+The trainer calls ``build_synchronizer`` when ``sdp.kind != none`` and ``step_budget`` for the
+step count; everything else (plan, layout, synchroniser) is reached through those two.
+"""
+from __future__ import annotations
+
+from typing import Any, Tuple
+
+import torch
+
+from sdp.config import SDPConfig
+
+__all__ = ["SDPConfig", "build_synchronizer", "step_budget"]
+
+
+def _as_dataclass(cfg: Any, cls):
+    if isinstance(cfg, cls):
+        return cfg
+    if not isinstance(cfg, dict):
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    return cls(**cfg)
+
+
+def step_budget(train_steps: int, sdp_cfg: Any) -> int:
+    """Optimizer steps to run: with ``flop_matched`` the paper's budget, steps / C (rounded)."""
+    sdp_cfg = _as_dataclass(sdp_cfg, SDPConfig)
+    if sdp_cfg.kind == "none" or not sdp_cfg.flop_matched:
+        return int(train_steps)
+    from sdp.plan import validate_coverage
+
+    validate_coverage(sdp_cfg.coverage)
+    return int(round(train_steps / float(sdp_cfg.coverage)))
+
+
+def build_synchronizer(model_cfg: Any, sdp_cfg: Any, opt_cfg: Any, world_size: int, rank: int,
+                       device: torch.device) -> Tuple[torch.nn.Module, "SubnetworkSynchronizer"]:
+    """This worker's model (its subnetwork, or the full model under backward masking) and its
+    synchroniser. Collective: every rank calls it (process groups are created here).
+
+    The model is initialised from the current torch RNG state, which the trainer seeds alike on
+    every rank, so holders start identical and a subnetwork equals the same-seed full model
+    restricted to what it holds (the factory draws every tensor from a per-name generator and
+    never allocates unheld blocks).
+    """
+    from models import build_model
+    from models.config import ModelConfig
+    from sdp.layout import ComponentLayout
+    from sdp.plan import make_plan
+    from sdp.synchronizer import SubnetworkSynchronizer
+    from trainer.parts import build_optimizer
+
+    model_cfg = _as_dataclass(model_cfg, ModelConfig)
+    sdp_cfg = _as_dataclass(sdp_cfg, SDPConfig)
+    if sdp_cfg.masking not in ("forward", "backward"):
+        raise ValueError(f"sdp.masking must be forward or backward, got {sdp_cfg.masking!r}")
+    if getattr(opt_cfg, "name", "adamw") == "scape":
+        raise ValueError("optimizer=scape is not supported with SDP yet (SCAPE inside holder groups); "
+                         "use optimizer=adams or optimizer=adamw")
+    plan = make_plan(model_cfg, sdp_cfg, world_size)
+    spec = plan.subnet_spec(rank) if sdp_cfg.masking == "forward" else None
+    model = build_model(model_cfg, spec, device=device)
+    layout = ComponentLayout(model_cfg, plan)
+    sync = SubnetworkSynchronizer(model, plan, layout, rank, sdp_cfg.masking,
+                                  lambda params: build_optimizer(params, opt_cfg))
+    if rank == 0:
+        print(f"sdp: {plan.kind} {plan.strategy} C={plan.coverage} masking={sdp_cfg.masking}, "
+              f"{plan.workers} workers, {len(plan.components)} components, "
+              f"{len(set(plan.holder_sets()))} holder sets; rank 0 holds {sync.held_numel:,} of "
+              f"{sync.full_numel:,} parameters", flush=True)
+    return model, sync
+
+
+def __getattr__(name: str):  # the synchroniser's type for annotations without an import cycle
+    if name == "SubnetworkSynchronizer":
+        from sdp.synchronizer import SubnetworkSynchronizer
+
+        return SubnetworkSynchronizer
+    raise AttributeError(name)
