@@ -15,12 +15,15 @@ register_configs()
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from trainer.loop import ConfigError, run
+    from data import DataPipelineError
     from trainer.checkpoint import CheckpointError
+    from trainer.loop import RankZeroError, run
 
     try:
         run(cfg)
-    except (ConfigError, CheckpointError) as exc:
+    except (ValueError, OSError, CheckpointError, DataPipelineError, RankZeroError) as exc:
+        # Bad input (config values, paths, data, checkpoints): the message names the key and the
+        # fix; a traceback would only hide it. Bugs still raise with their traceback.
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
 

@@ -13,6 +13,7 @@ import math
 import os
 import signal
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
@@ -29,6 +30,10 @@ from trainer.schedule import lr_at
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the key and the fix."""
+
+
+class RankZeroError(RuntimeError):
+    """An error rank 0 met in work done for all ranks (e.g. data preparation), re-raised everywhere."""
 
 
 def accumulation_steps(global_batch_tokens: int, micro_batch_size: int, seq_len: int, world_size: int) -> int:
@@ -78,12 +83,14 @@ def on_main(env: DistEnv, fn: Callable[[], Any]) -> Any:
         try:
             result = fn()
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
-            error = f"{type(exc).__name__}: {exc}"
             if env.world_size == 1:
                 raise
+            if not isinstance(exc, (ValueError, OSError)):
+                traceback.print_exc()  # a bug, not bad input: keep its traceback
+            error = f"{type(exc).__name__}: {exc}"
     result, error = broadcast_object((result, error))
     if error is not None:
-        raise RuntimeError(error)
+        raise RankZeroError(error)
     return result
 
 

@@ -1,0 +1,45 @@
+"""Every file in conf/ composes against the schema; bad keys and types fail at start-up."""
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from tests.train_helpers import REPO, train_cli
+from trainer.config import Config, register_configs
+
+CONF = REPO / "conf"
+GROUPS = ["model", "data", "tokenizer", "optimizer", "sdp", "logger"]
+
+
+def _compose(overrides):
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+@pytest.mark.parametrize("override", [f"{g}={p.stem}" for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
+                         + [f"+experiment={p.stem}" for p in sorted((CONF / "experiment").glob("*.yaml"))])
+def test_every_config_file_composes_and_validates(override):
+    cfg = _compose([override])
+    obj = OmegaConf.to_object(cfg)  # resolves interpolations and checks every type
+    assert isinstance(obj, Config)
+    if override.startswith("+experiment="):
+        assert cfg.run_name == override.split("=", 1)[1], "an experiment names its run after itself"
+
+
+def test_defaults_are_the_embedded_quick_start():
+    cfg = _compose([])
+    assert (cfg.model.name, cfg.data.name, cfg.tokenizer.name) == ("tiny_llama", "embedded", "bpe_local")
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("optimizer.lrr=0.1", "lrr"),
+    ("train.steps=many", "steps"),
+    ("+experiment=no_such_experiment", "no_such_experiment"),
+])
+def test_bad_keys_and_types_fail_at_start_naming_the_key(override, needle, tmp_path):
+    proc = train_cli([override, f"out_dir={tmp_path}"], timeout=120)
+    assert proc.returncode != 0
+    assert needle in proc.stderr + proc.stdout
+    assert not any(tmp_path.iterdir()), "a rejected config must not leave a run directory"
