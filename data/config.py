@@ -38,3 +38,4 @@ class DataConfig:
     token_dtype: str = "auto"  # auto (uint16 when the vocab fits) | uint16 | uint32
     verify_checksums: bool = True  # sha256 every shard when a prepared folder is reused
     txt_sample_by: str = "paragraph"  # .txt files: one document per paragraph | line | document
+    embedded_docstrings: bool = False  # source=embedded: add the stdlib's long docstrings (data/embedded.py)

@@ -70,8 +70,8 @@ def data_identity(cfg: DataConfig) -> Dict[str, Any]:
     identity = {name: getattr(cfg, name) for name in _DATA_IDENTITY_FIELDS}
     identity["paths"] = list(identity["paths"])
     if cfg.source == "embedded":
-        from .embedded import embedded_corpus_digest
-        identity["embedded_corpus_sha256"] = embedded_corpus_digest()
+        from .embedded import embedded_corpus_identity
+        identity["embedded_corpus"] = embedded_corpus_identity(cfg.embedded_docstrings)
     return identity
 
 

@@ -145,7 +145,8 @@ def iter_documents(cfg: DataConfig) -> Iterator[Tuple[str, str]]:
     if cfg.source == "embedded":
         from .embedded import embedded_documents
         records: Iterable[Tuple[str, Dict[str, Any]]] = (
-            ("embedded corpus", {cfg.text_field: d}) for d in embedded_documents())
+            ("embedded corpus", {cfg.text_field: d})
+            for d in embedded_documents(cfg.embedded_docstrings))
     elif cfg.source == "local":
         records = _local_records(cfg)
     elif cfg.source == "hub":
