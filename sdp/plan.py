@@ -363,8 +363,12 @@ def activation_bytes_per_token_block(cfg: ModelConfig, head_share: float = 1.0,
 
 
 def report(plan: Plan, model_cfg: ModelConfig, optimizer: str = "adamw", micro_batch_size: int = 8,
-           masking: str = "forward") -> Dict[str, Any]:
-    """What the plan costs and saves per worker, against DDP on the same model and world."""
+           masking: str = "forward", activation_checkpointing: bool = False) -> Dict[str, Any]:
+    """What the plan costs and saves per worker, against DDP on the same model and world.
+
+    With activation checkpointing a block keeps only its input (d per token) and one block's
+    activations are live at a time during recomputation.
+    """
     a = plan.assignment
     k = plan.workers
     comp_params = np.array([c.n_params for c in plan.components], dtype=np.int64)
@@ -383,20 +387,27 @@ def report(plan: Plan, model_cfg: ModelConfig, optimizer: str = "adamw", micro_b
         return {key: float(v) for key, v in mem.items()}
 
     full_block_act = activation_bytes_per_token_block(model_cfg)
-    ddp_act = tokens * (model_cfg.n_layer * full_block_act + logits_bytes)
+    if activation_checkpointing:
+        activation_bytes_per_block = lambda hs=1.0, us=1.0: BYTES_FP32 * model_cfg.d_model  # noqa: E731
+        recompute = tokens * full_block_act
+    else:
+        activation_bytes_per_block = lambda hs=1.0, us=1.0: activation_bytes_per_token_block(model_cfg, hs, us)  # noqa: E731
+        recompute = 0.0
+    full_block_act = activation_bytes_per_block()
+    ddp_act = tokens * (model_cfg.n_layer * full_block_act + logits_bytes) + recompute
     worker_mem = []
     for i in range(k):
         held = [plan.components[j] for j in plan.held(i)]
         if masking == "backward":  # the full forward: full activations, full weights present
             act = ddp_act
         elif plan.kind == "block":
-            act = tokens * (len(held) * full_block_act + logits_bytes)
+            act = tokens * (len(held) * full_block_act + logits_bytes) + recompute
         else:
-            act = tokens * logits_bytes
+            act = tokens * logits_bytes + recompute
             for l in range(model_cfg.n_layer):
                 hs = sum(len(c.members) for c in held if c.block == l and c.kind == "heads") / model_cfg.n_head
                 us = sum(len(c.members) for c in held if c.block == l and c.kind == "mlp") / ffn_hidden_size(model_cfg)
-                act += tokens * activation_bytes_per_token_block(model_cfg, hs, us)
+                act += tokens * activation_bytes_per_block(hs, us)
         mem = memory(int(params_per_worker[i]), act)
         if masking == "backward":  # unheld weights are present (no grads, no state)
             mem["params"] = float(total * BYTES_FP32)
@@ -434,6 +445,7 @@ def report(plan: Plan, model_cfg: ModelConfig, optimizer: str = "adamw", micro_b
         "params_per_worker": stats(params_per_worker.astype(np.float64)),
         "params_fraction_max": float(params_per_worker.max() / total),
         "memory_estimate_bytes": {"optimizer": optimizer, "micro_batch_size": micro_batch_size,
+                                  "activation_checkpointing": bool(activation_checkpointing),
                                   "worker_max": max(worker_mem, key=lambda m: m["total"]),
                                   "ddp": ddp_mem, "ratio_vs_ddp": float(peak / ddp_mem["total"])},
         "allreduce_bytes_per_step": {"worker": stats(sent), "ddp": float(ddp_sent),
@@ -460,7 +472,8 @@ def format_report(rep: Dict[str, Any]) -> str:
         f"{rep['params_always_held']:,})",
         f"  est. memory per worker    {mem['worker_max']['total'] / gib:.2f} GiB vs DDP "
         f"{mem['ddp']['total'] / gib:.2f} GiB ({mem['ratio_vs_ddp']:.2f}x; {mem['optimizer']}, "
-        f"micro-batch {mem['micro_batch_size']}, fp32)",
+        f"micro-batch {mem['micro_batch_size']}"
+        f"{', activation checkpointing' if mem['activation_checkpointing'] else ''}, fp32)",
         f"  all-reduced per step      {ar['worker']['max'] / 2**20:.1f} MiB per worker (max) vs DDP "
         f"{ar['ddp'] / 2**20:.1f} MiB ({ar['ratio_vs_ddp']:.2f}x)"
         + (f"; + refresh broadcast {ar['backward_refresh_broadcast']['max'] / 2**20:.1f} MiB"
@@ -512,7 +525,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     micro = int(cfg.train.micro_batch_size) if "train" in cfg else 8
     optimizer = str(cfg.optimizer.name) if "optimizer" in cfg else "adamw"
-    rep = report(plan, model_cfg, optimizer=optimizer, micro_batch_size=micro, masking=sdp_cfg.masking)
+    checkpointing = bool(cfg.train.activation_checkpointing) if "train" in cfg else False
+    rep = report(plan, model_cfg, optimizer=optimizer, micro_batch_size=micro, masking=sdp_cfg.masking,
+                 activation_checkpointing=checkpointing)
     print(format_report(rep))
     if args.json_path:
         with open(args.json_path, "w") as f:
