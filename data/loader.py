@@ -122,7 +122,12 @@ class TokenLoader:
         thread.start()
         try:
             while True:
-                item = ready.get()
+                try:
+                    item = ready.get(timeout=0.1)
+                except queue.Empty:
+                    if stop.is_set():  # close() was called: end the stream instead of hanging
+                        return
+                    continue
                 if isinstance(item, _ProducerFailure):
                     raise item.error
                 yield item
