@@ -6,7 +6,9 @@ of its documents and the tokenizer, which is why a resumed prepare can skip fini
 """
 from __future__ import annotations
 
+import os
 import pathlib
+import threading
 import time
 from typing import Any, Dict, List, Optional
 
@@ -19,11 +21,20 @@ _worker_eos_id: Optional[int] = None
 _worker_dtype: Optional[np.dtype] = None
 
 
-def init_worker(tokenizer_file: str, eos_id: int, dtype: str) -> None:
-    """Load the tokenizer once per process instead of once per piece."""
-    import os
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """A prepare killed with SIGKILL cannot stop its pool; without this its workers would wait
+    on the task queue forever (and hold the parent's stdout open)."""
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent_pid:
+            os._exit(1)
 
+
+def init_worker(tokenizer_file: str, eos_id: int, dtype: str, watch_parent: bool = True) -> None:
+    """Load the tokenizer once per process instead of once per piece."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
+    if watch_parent:
+        threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     from tokenizers import Tokenizer
 
     global _worker_tokenizer, _worker_eos_id, _worker_dtype

@@ -186,7 +186,7 @@ class _PieceRunner:
     def finish(self) -> None:
         if self.pool is None:
             if self.waiting:
-                init_worker(*self.init_args)
+                init_worker(*self.init_args, watch_parent=False)
             for args in self.waiting:
                 self._record(tokenize_piece(*args))
             self.waiting = []

@@ -84,7 +84,9 @@ def _local_records(cfg: DataConfig) -> Iterator[Tuple[str, Dict[str, Any]]]:
                 raise TextFieldError(f"{group[0]}: text files have the single field 'text', "
                                      f"not {cfg.text_field!r}; set data.text_field=text")
         elif builder == "json":
-            kwargs.update(encoding_errors="replace")
+            # datasets' JSON reader decodes (and so applies encoding_errors) only when the
+            # encoding is not spelled "utf-8"; "utf_8" is the same codec under another name.
+            kwargs.update(encoding="utf_8", encoding_errors="replace")
         try:
             dataset = datasets.load_dataset(builder, data_files=group, split="train", streaming=True,
                                             **kwargs)

@@ -49,3 +49,47 @@ def documents() -> List[str]:
 @pytest.fixture
 def jsonl_corpus(tmp_path, documents) -> pathlib.Path:
     return write_jsonl(tmp_path / "corpus.jsonl", documents)
+
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def run_prepare_cli(args: List[str], env_extra=None, timeout: float = 120.0):
+    """``python -m data.prepare`` in a child process, as a user runs it."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "data.prepare", *args], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def folder_snapshot(folder: pathlib.Path):
+    """Every file's bytes, to show that a refused run changed nothing."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _prepare_then_get_killed(data_cfg, tok_cfg, kill_at: str) -> None:
+    import os
+
+    os.environ["DATA_PREPARE_KILL_AT"] = kill_at
+    from data import prepare
+    prepare(data_cfg, tok_cfg)
+
+
+def prepare_killed_at(data_cfg, tok_cfg, kill_at: str, timeout: float = 60.0) -> int:
+    """Run prepare in a forked child that SIGKILLs itself at ``kill_at`` (piece:N or shard:N).
+
+    Forking skips the seconds of imports a fresh interpreter would pay; returns the exit code.
+    """
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(target=_prepare_then_get_killed,
+                                                        args=(data_cfg, tok_cfg, kill_at))
+    child.start()
+    child.join(timeout)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    return child.exitcode
