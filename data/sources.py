@@ -72,9 +72,9 @@ def _text_of(record: Dict[str, Any], field: str, origin: str) -> str:
 
 
 def _local_records(cfg: DataConfig) -> Iterator[Tuple[str, Dict[str, Any]]]:
+    files = resolve_local_paths(cfg.paths)  # before the slow import: a typo fails at once
     import datasets
 
-    files = resolve_local_paths(cfg.paths)
     for builder, group in itertools.groupby(files, key=_builder_for):
         group = list(group)
         kwargs: Dict[str, Any] = {}
