@@ -10,7 +10,7 @@ from __future__ import annotations
 OFFLINE_OPTIONS = (
     "Offline options: the embedded corpus (data=embedded), your own files "
     "(data=local data.paths=[...]), a BPE tokenizer trained on the corpus (tokenizer=bpe_local) "
-    "or a tokenizer on disk (tokenizer.kind=hf tokenizer.path=/path/to/folder_or_tokenizer.json), "
+    "or a tokenizer on disk (tokenizer=local tokenizer.path=/path/to/folder_or_tokenizer.json), "
     "or a dataset already in the HF cache with HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1."
 )
 
