@@ -11,9 +11,15 @@ if str(REPO) not in sys.path:
 @pytest.fixture(scope="session")
 def prepared_cache(tmp_path_factory) -> Path:
     """The embedded corpus tokenized once per test session; pass as data.cache_dir=..."""
+    from hydra import compose, initialize_config_dir
+
     from data import prepare
-    from data.config import DataConfig, TokenizerConfig
+    from tests.train_helpers import TINY_DATA
+    from trainer.config import register_configs
 
     cache = tmp_path_factory.mktemp("data_cache")
-    prepare(DataConfig(cache_dir=str(cache)), TokenizerConfig())
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*TINY_DATA, f"data.cache_dir={cache}"])
+    prepare(cfg.data, cfg.tokenizer)
     return cache

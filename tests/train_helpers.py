@@ -10,11 +10,14 @@ from typing import Dict, List, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The embedded corpus without the stdlib docstrings: a quarter of the text, tokenized in seconds.
+TINY_DATA = ["data.embedded_docstrings=false"]
+
 # A debug-size Llama (torchtitan's habit): 2 blocks of width 64, 64-token windows, 512-token steps.
 TINY = ["model.n_layer=2", "model.d_model=64", "model.n_head=4", "model.n_kv_head=2",
         "model.ffn_hidden=192", "model.seq_len=64", "train.micro_batch_size=4",
         "train.global_batch_tokens=512", "logger=console", "train.log_every=1", "train.eval_every=0",
-        "train.eval_batches=2", "optimizer.warmup_steps=2", "optimizer.lr=3e-3"]
+        "train.eval_batches=2", "optimizer.warmup_steps=2", "optimizer.lr=3e-3", *TINY_DATA]
 
 
 def train_cli(overrides: Sequence[str], nproc: int = 1, timeout: int = 300,
