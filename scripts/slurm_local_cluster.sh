@@ -35,8 +35,14 @@ need_root() {
     [[ $(id -u) -eq 0 ]] || die "must run as root (installs packages and starts daemons); try: sudo $0 $*"
 }
 
-pid_alive() {  # pid_alive PIDFILE -> 0 if the process in PIDFILE runs
-    [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null
+pid_alive() {  # pid_alive PIDFILE -> 0 if the daemon named like the file runs with that pid
+    # The name check matters after a reboot or container restart: a stale pid file can name
+    # an unrelated process that got the same pid.
+    local pid name
+    [[ -s $1 ]] || return 1
+    pid=$(cat "$1")
+    name=$(basename "$1" .pid)
+    [[ $(cat "/proc/$pid/comm" 2>/dev/null) == "$name" ]]
 }
 
 install_packages() {

@@ -37,7 +37,7 @@
 #   SCAPE_MAX_RESTARTS       stop continuing a run after this many requeues/resubmissions (50)
 #   SCAPE_MASTER_PORT        rendezvous port (default: 29500 + job id % 500, so two jobs that
 #                            share a node do not collide)
-#   SCAPE_SIGNAL_TIMEOUT     seconds the signal step waits for workers to appear (60)
+#   SCAPE_SIGNAL_TIMEOUT     seconds the signal step waits for the workers to be ready (120)
 
 scape__log() { echo "[scape-launch $(date +%H:%M:%S)] $*" >&2; }
 scape__die() { scape__log "ERROR: $*"; exit 1; }
@@ -86,24 +86,40 @@ scape__node() {
 # ---------------------------------------------------------------------------------------------
 # Role 3: send a signal to this node's train.py workers (the direct children of torchrun that
 # run the training script); torchrun itself and any grandchildren are left alone.
+scape__catches() {  # scape__catches PID SIGNUM -> 0 if PID has a handler installed for SIGNUM
+    local mask
+    mask=$(awk '/^SigCgt:/ {print $2}' "/proc/$1/status" 2>/dev/null) || return 1
+    [[ -n $mask ]] && (( (16#$mask >> ($2 - 1)) & 1 ))
+}
+
 scape__signal_workers() {
-    local sig=${1:-USR1} pidfile tr pids=() p deadline
+    local sig=${1:-USR1} signum pidfile tr pids=() p deadline ready
+    signum=$(kill -l "$sig")
     pidfile=$(scape__pidfile)
-    deadline=$((SECONDS + ${SCAPE_SIGNAL_TIMEOUT:-60}))
+    deadline=$((SECONDS + ${SCAPE_SIGNAL_TIMEOUT:-120}))
+    # Wait until the workers exist and have installed their handler: until then they ignore the
+    # signal (see the header), and a signal sent then would be lost.
     while :; do
+        pids=()
+        ready=1
         if [[ -s $pidfile ]]; then
             tr=$(cat "$pidfile")
-            pids=()
             for p in $(pgrep -P "$tr" || true); do
-                # Only workers running the training script (not e.g. a helper torchrun spawned).
+                # Only workers running the training script.
                 tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | grep -qF -- "$(basename "${SCAPE_TRAIN_SCRIPT:?}")" \
-                    && pids+=("$p")
+                    || continue
+                pids+=("$p")
+                scape__catches "$p" "$signum" || ready=0
             done
-            ((${#pids[@]})) && break
         fi
+        ((${#pids[@]} && ready)) && break
         if ((SECONDS >= deadline)); then
-            scape__log "$(hostname -s): no train.py workers found (pid file $pidfile); nothing signalled"
-            return 1
+            if ((${#pids[@]} == 0)); then
+                scape__log "$(hostname -s): no train.py workers found (pid file $pidfile); nothing signalled"
+                return 1
+            fi
+            scape__log "$(hostname -s): train.py has no SIG$sig handler after ${SCAPE_SIGNAL_TIMEOUT:-120}s; signalling anyway"
+            break
         fi
         sleep 1
     done
@@ -234,7 +250,7 @@ scape__on_usr1() {
     scape__log "SIGUSR1: asking train.py on all $SLURM_JOB_NUM_NODES node(s) to checkpoint and stop"
     # A step that overlaps the running one, one task per node. Bounded: a wedged node must not
     # keep the batch shell from requeueing before the time limit.
-    timeout "$((${SCAPE_SIGNAL_TIMEOUT:-60} + 30))" \
+    timeout "$((${SCAPE_SIGNAL_TIMEOUT:-120} + 30))" \
         srun --overlap --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --kill-on-bad-exit=0 \
         bash "$SCAPE_HELPER" signal-workers USR1 \
         || scape__log "the signal step failed on some node; train.py may stop only at the time limit"
