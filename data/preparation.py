@@ -327,13 +327,17 @@ def prepare(data_cfg: DataConfig, tok_cfg: TokenizerConfig) -> pathlib.Path:
         "dtype": _DTYPE_NAMES[dtype.str], "splits": splits,
         "replacement_characters": replacement_characters,
         "tokenize_seconds": round(seconds, 3), "num_proc": data_cfg.num_proc,
+        "tokens_per_second": round(runner.tokens / max(seconds, 1e-9)),
+        # Pure encoding speed of one process (worker time only, excluding reading the source).
+        "tokens_per_second_per_process": round(runner.tokens / max(runner.worker_seconds, 1e-9)),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     atomic_write_json(folder / MANIFEST_NAME, manifest)
     shutil.rmtree(work_dir, ignore_errors=True)
     print(f"[data] {folder}: {total_tokens:,} tokens (train {splits['train']['num_tokens']:,}, val "
-          f"{splits['val']['num_tokens']:,}), vocab {vocab_size}, {manifest['dtype']}, tokenized in "
-          f"{seconds:.1f} s ({total_tokens / max(seconds, 1e-9):,.0f} tokens/s)", file=sys.stderr)
+          f"{splits['val']['num_tokens']:,}), vocab {vocab_size}, {manifest['dtype']}; tokenized "
+          f"{runner.tokens:,} tokens in {seconds:.1f} s ({manifest['tokens_per_second']:,} tokens/s, "
+          f"{manifest['tokens_per_second_per_process']:,} per process)", file=sys.stderr)
     return folder
 
 
