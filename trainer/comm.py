@@ -73,7 +73,9 @@ def all_gather_into_tensor(output: torch.Tensor, local: torch.Tensor, kind: str,
     if world <= 1:
         output.copy_(local.reshape(output.shape))
         return None
-    return dist.all_gather_into_tensor(output, local, group=group, async_op=async_op)
+    # all_gather_single is the name from torch 2.12 on; older releases only have the other one.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, local, group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, kind: str, group=None, async_op: bool = False):
