@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING, Any
 
 from .config import DataConfig, TokenizerConfig
 from .errors import DataPipelineError
-from .preparation import prepare
+from .preparation import prepare, prepared_dir_for
 
 if TYPE_CHECKING:
     from .loader import TokenLoader
     from .tokenizer import load_tokenizer
 
 __all__ = ["DataConfig", "TokenizerConfig", "DataPipelineError", "TokenLoader", "prepare",
-           "load_tokenizer"]
+           "prepared_dir_for", "load_tokenizer"]
 
 _LAZY = {"TokenLoader": "loader", "load_tokenizer": "tokenizer"}
 

@@ -63,6 +63,8 @@ def _coerce(cfg: Any, schema: type):
 
 
 def prepared_dir_for(data_cfg: DataConfig, tok_cfg: TokenizerConfig) -> pathlib.Path:
+    """Where prepare puts (or put) the shards; ranks other than 0 can compute it themselves."""
+    data_cfg, tok_cfg = _coerce(data_cfg, DataConfig), _coerce(tok_cfg, TokenizerConfig)
     return (pathlib.Path(data_cfg.cache_dir).expanduser() / f"{data_cfg.name}-{tok_cfg.name}").resolve()
 
 
@@ -334,6 +336,8 @@ def prepare(data_cfg: DataConfig, tok_cfg: TokenizerConfig) -> pathlib.Path:
     }
     atomic_write_json(folder / MANIFEST_NAME, manifest)
     shutil.rmtree(work_dir, ignore_errors=True)
+    for leftover in folder.glob(".*.tmp-*"):  # half-written files of a killed earlier run
+        shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
     print(f"[data] {folder}: {total_tokens:,} tokens (train {splits['train']['num_tokens']:,}, val "
           f"{splits['val']['num_tokens']:,}), vocab {vocab_size}, {manifest['dtype']}; tokenized "
           f"{runner.tokens:,} tokens in {seconds:.1f} s ({manifest['tokens_per_second']:,} tokens/s, "

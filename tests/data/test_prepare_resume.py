@@ -28,11 +28,12 @@ def test_killed_prepare_resumes_to_identical_shards(tmp_path, jsonl_corpus, kill
     assert not (folder / "manifest.json").exists()
     done_pieces = list((folder / ".work").glob("*.json"))
     assert len(done_pieces) >= 3  # state.json + finished pieces survive the kill
+    (folder / ".train-00000.bin.tmp-999999").write_bytes(b"\x01" * 5)  # as if killed mid-write
 
     resumed = prepare(local_config(tmp_path, [jsonl_corpus], cache_dir=str(cache), shard_tokens=800,
                                    num_proc=1), small_bpe())
     assert resumed == folder
-    assert not (folder / ".work").exists()
+    assert not (folder / ".work").exists() and not list(folder.glob(".*.tmp-*"))
     assert _shard_files(resumed) == _shard_files(reference) and len(_shard_files(reference)) > 2
     mine, theirs = read_manifest(resumed), read_manifest(reference)
     assert mine["splits"] == theirs["splits"] and mine["tokenizer_sha256"] == theirs["tokenizer_sha256"]
