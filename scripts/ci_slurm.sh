@@ -210,7 +210,9 @@ preempt_and_check() {  # preempt_and_check JOBID RUN_DIR -> prints P
     st=$(grep "job=$j restart=0 end" "$run/slurm_jobs.log" | tail -n1)
     [[ $st == *"rc=0 state=preempted"* ]] || fail "job $j stopped with: $st"
     p=${st##*step=}
-    [[ $p =~ ^[0-9]+$ ]] && ((p >= 3 && p < LONG_STEPS)) || fail "preempted at step '$p' (expected 3 <= P < $LONG_STEPS)"
+    if ! [[ $p =~ ^[0-9]+$ ]] || ((p < 3 || p >= LONG_STEPS)); then
+        fail "preempted at step '$p' (expected 3 <= P < $LONG_STEPS)"
+    fi
     assert_checkpoint "$run" "$p"
     grep -q "sent SIGUSR1 to train.py workers" "$WORK"/logs/*-"$j".out || fail "job $j log does not show the workers signalled"
     grep -q "preempted at step $p" "$WORK"/logs/*-"$j".out || fail "job $j: train.py did not report preemption at step $p"

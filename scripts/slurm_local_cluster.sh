@@ -78,8 +78,7 @@ start_munge() {
         runuser -u munge -- /usr/sbin/munged
     fi
     # Proves the daemon answers and the key round-trips before Slurm depends on it.
-    local i
-    for i in $(seq 1 20); do
+    for _ in $(seq 1 20); do
         munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && return 0
         sleep 0.5
     done
@@ -149,9 +148,9 @@ EOF
 }
 
 wait_node_ready() {
-    local host state i
+    local host state
     host=$(hostname -s)
-    for i in $(seq 1 60); do
+    for _ in $(seq 1 60); do
         state=$(sinfo -h -N -n "$host" -o '%T' 2>/dev/null | head -n1 || true)
         case $state in
             idle* | mixed* | allocated* | completing*) log "node $host is $state"; return 0 ;;
@@ -179,8 +178,7 @@ cmd_start() {
         # -i: start even if saved state does not match the config (e.g. after a hostname change).
         slurmctld -i
     fi
-    local i
-    for i in $(seq 1 30); do
+    for _ in $(seq 1 30); do
         scontrol ping >/dev/null 2>&1 && break
         sleep 0.5
     done
@@ -218,9 +216,15 @@ cmd_stop() {
 
 cmd_status() {
     local ok=0
-    pid_alive /run/munge/munged.pid && log "munged: running" || { log "munged: stopped"; ok=1; }
-    pid_alive "$CTLD_PID" && log "slurmctld: running" || { log "slurmctld: stopped"; ok=1; }
-    pid_alive "$SLURMD_PID" && log "slurmd: running" || { log "slurmd: stopped"; ok=1; }
+    local f
+    for f in /run/munge/munged.pid "$CTLD_PID" "$SLURMD_PID"; do
+        if pid_alive "$f"; then
+            log "$(basename "$f" .pid): running"
+        else
+            log "$(basename "$f" .pid): stopped"
+            ok=1
+        fi
+    done
     if ((ok == 0)); then
         sinfo || ok=1
         squeue || ok=1

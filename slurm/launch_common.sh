@@ -79,6 +79,8 @@ scape__node() {
         wait "$tr" && rc=0 || rc=$?
         kill -0 "$tr" 2>/dev/null || break
     done
+    # Tells a late signal step that training already ended here (it need not wait for workers).
+    echo "$rc" >"$pidfile.done"
     rm -f "$pidfile"
     return "$rc"
 }
@@ -102,6 +104,10 @@ scape__signal_workers() {
     while :; do
         pids=()
         ready=1
+        if [[ -e $pidfile.done ]]; then
+            scape__log "$(hostname -s): training already ended on this node; nothing to signal"
+            return 0
+        fi
         if [[ -s $pidfile ]]; then
             tr=$(cat "$pidfile")
             for p in $(pgrep -P "$tr" || true); do
@@ -245,6 +251,10 @@ scape__on_usr1() {
     SCAPE_STOP_REQUESTED=1
     if [[ -z ${SCAPE_SRUN_PID:-} ]]; then
         scape__log "SIGUSR1 before training started: will requeue without starting"
+        return 0
+    fi
+    if ! kill -0 "$SCAPE_SRUN_PID" 2>/dev/null; then
+        scape__log "SIGUSR1 after training ended: nothing to stop"
         return 0
     fi
     scape__log "SIGUSR1: asking train.py on all $SLURM_JOB_NUM_NODES node(s) to checkpoint and stop"
