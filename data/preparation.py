@@ -74,12 +74,21 @@ def data_identity(cfg: DataConfig) -> Dict[str, Any]:
     if cfg.source == "embedded":
         from .embedded import embedded_corpus_identity
         identity["embedded_corpus"] = embedded_corpus_identity(cfg.embedded_docstrings)
+    elif cfg.source == "local":
+        from .sources import resolve_local_paths
+        # A glob that now matches more files, or a file that changed, is a different corpus.
+        identity["files"] = [[path, os.path.getsize(path)] for path in resolve_local_paths(cfg.paths)]
     return identity
 
 
 def _differences(recorded: Dict[str, Any], wanted: Dict[str, Any]) -> str:
     keys = sorted(k for k in set(recorded) | set(wanted) if recorded.get(k) != wanted.get(k))
-    return ", ".join(f"{k}: {recorded.get(k)!r} then, {wanted.get(k)!r} now" for k in keys)
+
+    def short(value: Any) -> str:
+        text = repr(value)
+        return text if len(text) <= 160 else text[:150] + "...]"
+
+    return ", ".join(f"{k}: {short(recorded.get(k))} then, {short(wanted.get(k))} now" for k in keys)
 
 
 def _check_identity(folder: pathlib.Path, recorded: Dict[str, Any], data_id: Dict[str, Any],
@@ -193,10 +202,14 @@ class _PieceRunner:
                 self._record(tokenize_piece(*args))
             self.waiting = []
             return
-        try:
-            self._collect(futures.ALL_COMPLETED)
-        finally:
+        self._collect(futures.ALL_COMPLETED)
+        self.close()
+
+    def close(self) -> None:
+        """Stop the workers, also when a piece failed or the source raised mid-way."""
+        if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
 
 
 def _tokenize_pieces(data_cfg: DataConfig, work_dir: pathlib.Path, runner: _PieceRunner) -> Dict[str, int]:
@@ -212,14 +225,17 @@ def _tokenize_pieces(data_cfg: DataConfig, work_dir: pathlib.Path, runner: _Piec
             return
         runner.submit(split, index, documents)
 
-    for split, text in iter_documents(data_cfg):
-        buffers[split].append(text)
-        if len(buffers[split]) >= data_cfg.documents_per_piece:
-            flush(split)
-    for split in SPLITS:
-        if buffers[split]:
-            flush(split)
-    runner.finish()
+    try:
+        for split, text in iter_documents(data_cfg):
+            buffers[split].append(text)
+            if len(buffers[split]) >= data_cfg.documents_per_piece:
+                flush(split)
+        for split in SPLITS:
+            if buffers[split]:
+                flush(split)
+        runner.finish()
+    finally:
+        runner.close()
     return counts
 
 

@@ -47,7 +47,12 @@ def test_changed_tokenizer_is_refused_and_nothing_is_overwritten(tmp_path, jsonl
         prepare(cfg, small_bpe(vocab_size=280))
     with pytest.raises(ConfigMismatchError, match="val_fraction"):
         prepare(local_config(tmp_path, [jsonl_corpus], val_fraction=0.3), small_bpe())
+    with jsonl_corpus.open("a") as f:
+        f.write('{"text": "one more document"}\n')
+    with pytest.raises(ConfigMismatchError, match="files"):
+        prepare(cfg, small_bpe())
     assert folder_snapshot(folder) == before
+    jsonl_corpus.write_text("".join(jsonl_corpus.read_text().splitlines(keepends=True)[:-1]))
     # Content-neutral settings (processes, piece size) reuse the folder as it is.
     assert prepare(local_config(tmp_path, [jsonl_corpus], num_proc=2, documents_per_piece=7), small_bpe()) == folder
     assert folder_snapshot(folder) == before
