@@ -20,7 +20,8 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from data import TokenLoader, prepare  # noqa: E402
+from data import prepare  # noqa: E402  (not TokenLoader here: spawned tokenizer workers
+#                                         re-import this script, and it would pull in torch)
 from data.config import DataConfig, TokenizerConfig  # noqa: E402
 from data.shards import read_manifest  # noqa: E402
 
@@ -60,6 +61,8 @@ def bench_tokenization(base: DataConfig, cache: pathlib.Path, num_procs, vocab_s
 
 def bench_loader(folder: pathlib.Path, seq_len: int, micro_batch_size: int, batches: int,
                  prefetch: int) -> dict:
+    from data import TokenLoader
+
     loader = TokenLoader(folder, "train", seq_len, micro_batch_size, rank=0, world_size=1, seed=0,
                          prefetch=prefetch)
     stream = loader.batches(0, accum_steps=1)
