@@ -12,8 +12,9 @@ from scape.config import OptimizerConfig
 
 def build_synchronizer(model: torch.nn.Module, cfg: OptimizerConfig):
     """The SCAPE gradient synchroniser for ``model`` (``cfg.name`` must be ``scape``)."""
-    if cfg.name != "scape":
-        raise ValueError(f"scape.build_synchronizer needs optimizer.name=scape, got {cfg.name!r}")
+    name = cfg["name"] if hasattr(cfg, "keys") else cfg.name
+    if name != "scape":
+        raise ValueError(f"scape.build_synchronizer needs optimizer.name=scape, got {name!r}")
     from scape.synchronizer import ScapeSynchronizer
 
     return ScapeSynchronizer(model, cfg)

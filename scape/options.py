@@ -16,6 +16,29 @@ def _choice(key: str, value, allowed) -> None:
                          f"{', '.join(map(str, allowed))}")
 
 
+def as_dataclass(cfg) -> OptimizerConfig:
+    """A plain ``OptimizerConfig`` from Hydra's DictConfig (or a dict).
+
+    The key ``update`` collides with DictConfig's ``update`` method (``cfg.update`` is the method),
+    so SCAPE never reads its settings through attribute access on a DictConfig.
+    """
+    if isinstance(cfg, OptimizerConfig):
+        return cfg
+    try:
+        from omegaconf import DictConfig, OmegaConf
+    except ImportError:  # pragma: no cover - hydra is a dependency of the trainer
+        DictConfig = ()
+    if DictConfig and isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    if isinstance(cfg, dict):
+        known = OptimizerConfig.__dataclass_fields__
+        unknown = sorted(set(cfg) - set(known))
+        if unknown:
+            raise ValueError(f"unknown optimizer keys {unknown}; known: {', '.join(known)}")
+        return OptimizerConfig(**cfg)
+    raise TypeError(f"expected an OptimizerConfig, got {type(cfg).__name__}")
+
+
 def validate_config(cfg: OptimizerConfig) -> None:
     sparsity = cfg.sparsity
     if not (isinstance(sparsity, (int, float)) and 0.0 <= sparsity < 1.0):

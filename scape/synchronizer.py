@@ -24,11 +24,11 @@ import torch.distributed as dist
 
 from scape import kernels, transport
 from scape.config import OptimizerConfig
-from scape.options import validate_config
+from scape.options import as_dataclass, validate_config
 from scape.partition import Partitioning
 from scape.residual import DEFAULT_CHUNK_NUMEL, Residual
 from scape.timing import StepTimers
-from scape.topk import topk_indices
+from scape.topk import topk_mask
 from scape.update import ScapeOptimizer
 from trainer import comm
 from trainer.grad_sync import FlatParameters, GradientSynchronizer
@@ -54,6 +54,7 @@ class ScapeSynchronizer(GradientSynchronizer):
     def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig,
                  num_partitions: Optional[int] = None,
                  residual_chunk_numel: int = DEFAULT_CHUNK_NUMEL) -> None:
+        cfg = as_dataclass(cfg)
         validate_config(cfg)
         self.cfg = cfg
         initialized = dist.is_available() and dist.is_initialized()
@@ -225,33 +226,34 @@ class ScapeSynchronizer(GradientSynchronizer):
             torch.nan_to_num_(residual, nan=0.0, posinf=0.0, neginf=0.0)
 
     def _select(self, k: int) -> torch.Tensor:
-        """This rank's part of the next mask: (partitions, k) partition-local ascending indices."""
+        """This rank's part of the next mask: a bool mask over its region, k per partition."""
         size = self.layout.partition_size
+        chosen = torch.empty(self.layout.owned_numel, dtype=torch.bool, device=self.device)
         with self.timers.time("topk"):
-            return torch.stack([topk_indices(self.score[p * size:(p + 1) * size], k)
-                                for p in range(self.layout.partitions_per_rank)])
+            for p in range(self.layout.partitions_per_rank):
+                topk_mask(self.score[p * size:(p + 1) * size], k, chosen[p * size:(p + 1) * size])
+        return chosen
 
     def _exchange_mask(self, step: int, k: int, async_op: bool) -> None:
-        local = self._select(k)
-        self._overlap = self._own_overlap(local)
+        chosen = self._select(k)
+        self._overlap = self._own_overlap(chosen, k)
         name = self.transport_at(step)
         with self.timers.time("pack"):
-            send = transport.encode(name, local, self.layout.partition_size)
+            send = transport.encode(name, chosen, self.layout.partitions_per_rank,
+                                    self.layout.partition_size, k)
         received = transport.receive_buffer(name, self.layout.num_partitions,
                                             self.layout.partition_size, k, self.device)
         work = comm.all_gather_into_tensor(received, send, kind="scape_mask", async_op=async_op)
         self._pending = _PendingMask(step, work, received, send, k)
 
-    def _own_overlap(self, local: torch.Tensor) -> Optional[torch.Tensor]:
+    def _own_overlap(self, chosen: torch.Tensor, k: int) -> Optional[torch.Tensor]:
         """|M_t & M_{t+1}| / k over this rank's partitions (the owner knows both)."""
         if self.mask is None:
             return None
         per_rank = self.layout.partitions_per_rank
         own = self.mask[self.rank * per_rank * self.mask_k:(self.rank + 1) * per_rank * self.mask_k]
-        marks = torch.zeros(self.layout.owned_numel, dtype=torch.bool, device=self.device)
-        marks[own - self.layout.owned_start] = True
-        offsets = torch.arange(per_rank, device=self.device).unsqueeze(1) * self.layout.partition_size
-        return marks[(local + offsets).reshape(-1)].sum() / float(local.numel())
+        kept = chosen.index_select(0, own - self.layout.owned_start).sum()
+        return kept / float(per_rank * max(k, self.mask_k))
 
     def _wait_pending(self) -> None:
         pending, self._pending = self._pending, None

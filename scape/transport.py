@@ -36,19 +36,20 @@ def local_nbytes(name: str, partition_size: int, k: int, partitions: int = 1) ->
     return partitions * one
 
 
-def encode(name: str, local_indices: torch.Tensor, partition_size: int) -> torch.Tensor:
+def encode(name: str, local_mask: torch.Tensor, partitions: int, partition_size: int,
+           k: int) -> torch.Tensor:
     """The send buffer for this rank's partitions.
 
-    ``local_indices``: (partitions, k) int64, ascending, partition-local.
+    ``local_mask``: bool, ``partitions * partition_size`` long (this rank's contiguous region),
+    exactly k set per partition. Packing first makes the indices path scan bytes, not bits.
     """
-    partitions, k = local_indices.shape
-    device = local_indices.device
-    if resolve(name, partition_size, k) == "indices":
-        return local_indices.to(torch.int32).reshape(-1)
-    offsets = torch.arange(partitions, device=device).unsqueeze(1) * partition_size
-    mask = torch.zeros(partitions * partition_size, dtype=torch.bool, device=device)
-    mask[(local_indices + offsets).reshape(-1)] = True
-    return kernels.pack_bits(mask, torch.empty(mask.numel() // 8, dtype=torch.uint8, device=device))
+    packed = kernels.pack_bits(local_mask, torch.empty(local_mask.numel() // 8, dtype=torch.uint8,
+                                                       device=local_mask.device))
+    if resolve(name, partition_size, k) == "bitmap":
+        return packed
+    positions = kernels.set_bit_positions(packed).view(partitions, k)
+    offsets = torch.arange(partitions, device=packed.device).unsqueeze(1) * partition_size
+    return (positions - offsets).to(torch.int32).reshape(-1)
 
 
 def receive_buffer(name: str, num_partitions: int, partition_size: int, k: int,
@@ -66,6 +67,4 @@ def decode(name: str, received: torch.Tensor, num_partitions: int, partition_siz
     if resolve(name, partition_size, k) == "indices":
         offsets = torch.arange(num_partitions, device=device).unsqueeze(1) * partition_size
         return (received.view(num_partitions, k).long() + offsets).reshape(-1)
-    mask = kernels.unpack_bits(received, torch.empty(received.numel() * 8, dtype=torch.bool,
-                                                     device=device))
-    return torch.nonzero(mask).squeeze(1)
+    return kernels.set_bit_positions(received)

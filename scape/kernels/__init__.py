@@ -54,3 +54,8 @@ def adams_dense_update(param: torch.Tensor, momentum: torch.Tensor, grad: torch.
                        weight_decay: float, decay_end: int) -> None:
     _backend(param).adams_dense_update(param, momentum, grad, lr, beta1, beta2, eps,
                                        bias_correction, weight_decay, decay_end)
+
+
+def set_bit_positions(packed: torch.Tensor) -> torch.Tensor:
+    """Ascending positions of the set bits of a packed mask (PyTorch on every device)."""
+    return reference.set_bit_positions(packed)

@@ -5,11 +5,26 @@ arguments in place (like the Triton versions) so the two are drop-in replacement
 """
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
 
 _BIT_WEIGHTS = {}
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+# Byte i of a little-endian int64 holds mask element i of a group of 8. Multiplying by GATHER
+# moves bit 0 of byte i to bit 56 + i with no carries, so (x * GATHER) >> 56 is the packed byte.
+_GATHER = _signed(0x0102040810204080)
+# The reverse: spread a byte to all 8 bytes, keep bit i in byte i, turn it into 0/1 per byte.
+_SPREAD = 0x0101010101010101
+_SELECT = _signed(0x8040201008040201)
+_CARRY = 0x7F7F7F7F7F7F7F7F
 
 
 def _bit_weights(device: torch.device) -> torch.Tensor:
@@ -22,6 +37,10 @@ def _bit_weights(device: torch.device) -> torch.Tensor:
 
 def pack_bits(mask: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Pack a bool mask of length 8n into n bytes, element 8i+b in bit b of byte i (LSB-first)."""
+    if _LITTLE_ENDIAN and mask.is_contiguous():
+        groups = mask.view(torch.uint8).view(torch.int64)
+        out.copy_(torch.bitwise_right_shift(groups * _GATHER, 56))
+        return out
     bits = mask.view(torch.uint8).view(-1, 8)
     torch.sum(bits * _bit_weights(mask.device), dim=1, dtype=torch.uint8, out=out)
     return out
@@ -29,9 +48,23 @@ def pack_bits(mask: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 def unpack_bits(packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Inverse of ``pack_bits``: ``out`` is a bool tensor of length 8 * len(packed)."""
-    bits = torch.bitwise_and(packed.unsqueeze(1), _bit_weights(packed.device)).ne_(0)
+    if _LITTLE_ENDIAN and out.is_contiguous():
+        spread = (packed.to(torch.int64) * _SPREAD).bitwise_and_(_SELECT).add_(_CARRY)
+        ones = torch.bitwise_right_shift(spread, 7).bitwise_and_(_SPREAD)
+        out.view(torch.uint8).view(torch.int64).copy_(ones)
+        return out
+    bits = torch.bitwise_and(packed.unsqueeze(1), _bit_weights(packed.device)).ne(0)
     out.view(-1, 8).copy_(bits)
     return out
+
+
+def set_bit_positions(packed: torch.Tensor) -> torch.Tensor:
+    """Ascending positions of the set bits of a packed mask (scans bytes, not bits)."""
+    byte_positions = torch.nonzero(packed).squeeze(1)
+    bits = torch.bitwise_and(packed.index_select(0, byte_positions).unsqueeze(1),
+                             _bit_weights(packed.device)).ne(0)
+    positions = byte_positions.unsqueeze(1) * 8 + torch.arange(8, device=packed.device)
+    return positions[bits]
 
 
 def gather_and_clear(source: torch.Tensor, indices: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

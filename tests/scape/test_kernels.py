@@ -31,6 +31,16 @@ def test_pack_bits_matches_reference_and_is_lsb_first():
     assert reference.pack_bits(lone, torch.empty(2, dtype=torch.uint8)).tolist() == [0, 2]
 
 
+def test_reference_bit_tricks_cover_every_byte():
+    every = torch.arange(256, dtype=torch.uint8)
+    weights = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8)
+    bits = torch.bitwise_and(every.unsqueeze(1), weights).ne(0).reshape(-1)
+    assert torch.equal(reference.unpack_bits(every, torch.empty(2048, dtype=torch.bool)), bits)
+    assert torch.equal(reference.pack_bits(bits, torch.empty(256, dtype=torch.uint8)), every)
+    assert torch.equal(reference.set_bit_positions(every), torch.nonzero(bits).squeeze(1))
+    assert torch.equal(triton_kernels.pack_bits(bits, torch.empty(256, dtype=torch.uint8)), every)
+
+
 def test_unpack_bits_matches_reference_and_round_trips():
     mask = _mask(1)
     packed = reference.pack_bits(mask, torch.empty(N_BITS // 8, dtype=torch.uint8))

@@ -9,7 +9,7 @@ from scape.accounting import dense_step_bytes, scape_step_bytes
 from scape.config import OptimizerConfig
 from scape.options import validate_config
 from scape.partition import Partitioning, values_per_partition
-from scape.topk import SAMPLE_SIZE, topk_indices
+from scape.topk import SAMPLE_SIZE, topk_indices, topk_mask
 
 
 @pytest.mark.parametrize("key,value,needle", [
@@ -78,13 +78,28 @@ def test_every_transport_round_trips(name, k):
     gen = torch.Generator().manual_seed(k)
     local = torch.stack([torch.randperm(size, generator=gen)[:k].sort().values
                          for _ in range(partitions)])
-    send = transport.encode(name, local, size)
+    offsets = torch.arange(partitions).unsqueeze(1) * size
+    expected = (local + offsets).reshape(-1)
+    mask = torch.zeros(partitions * size, dtype=torch.bool)
+    mask[expected] = True
+    send = transport.encode(name, mask, partitions, size, k)
     assert send.numel() * send.element_size() == transport.local_nbytes(name, size, k, partitions)
+    if transport.resolve(name, size, k) == "indices":
+        assert torch.equal(send.long(), local.reshape(-1))  # partition-local, ascending
     received = transport.receive_buffer(name, partitions, size, k, torch.device("cpu"))
     received.copy_(send)  # one rank owning every partition: the all-gather is the identity
-    decoded = transport.decode(name, received, partitions, size, k)
-    offsets = torch.arange(partitions).unsqueeze(1) * size
-    assert torch.equal(decoded, (local + offsets).reshape(-1))
+    assert torch.equal(transport.decode(name, received, partitions, size, k), expected)
+
+
+def test_topk_mask_handles_ties_and_edge_k():
+    score = torch.zeros(4 * SAMPLE_SIZE + 800)
+    score[::7] = 1.0  # many ties at both values
+    mask = torch.empty_like(score, dtype=torch.bool)
+    for k in (0, 1, 5000, score.numel() // 7 + 3, score.numel()):
+        topk_mask(score, k, mask)
+        assert int(mask.sum()) == k
+        if 0 < k <= score.numel() // 7:
+            assert torch.all(score[mask] == 1.0)
 
 
 def test_auto_picks_indices_only_below_one_in_32():
