@@ -40,7 +40,7 @@ pid_alive() {  # pid_alive PIDFILE -> 0 if the daemon named like the file runs w
     # an unrelated process that got the same pid.
     local pid name
     [[ -s $1 ]] || return 1
-    pid=$(cat "$1")
+    pid=$(cat "$1" 2>/dev/null) || return 1
     name=$(basename "$1" .pid)
     [[ $(cat "/proc/$pid/comm" 2>/dev/null) == "$name" ]]
 }
