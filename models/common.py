@@ -82,11 +82,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend:
     if use_flash:
         return _FLASH_ATTN(q, k, v, causal=True)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if k.shape[1] != q.shape[1]:
-        repeat = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(repeat, dim=1)
-        v = v.repeat_interleave(repeat, dim=1)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    # Grouped-query attention without copying k/v per query head.
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
     return y.transpose(1, 2)
 
 
@@ -215,8 +212,86 @@ class CausalLM(nn.Module):
             else:
                 x = block(x, *context)
         x = self.final_norm(x)
-        logits = F.linear(x, self.head_weight())
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1),
-                               ignore_index=-1)
+            return F.linear(x, self.head_weight())
+        return linear_cross_entropy(x.reshape(-1, x.shape[-1]), self.head_weight(), targets.reshape(-1))
+
+
+# ---------------------------------------------------------------------------------------------
+# LM head + loss
+
+
+def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    device_type = tensor.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return tensor.dtype
+
+
+def _chunk_rows(vocab_size: int, device: torch.device) -> int:
+    # About 8 MB of fp32 logits per chunk on CPU (stays in cache between the passes over it),
+    # 256 MB on an accelerator (big enough for full-speed matmuls, small next to [N, V]).
+    elements = (1 << 21) if device.type == "cpu" else (1 << 26)
+    return max(16, elements // vocab_size)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of ``hidden @ weight.T`` without materialising the [N, V] logits.
+
+    Rows are processed in chunks; each chunk's logits become, in place, the gradient of the
+    loss with respect to them (softmax - one-hot, scaled by 1/count), which is immediately
+    multiplied into the hidden-state and weight gradients. Backward only scales those by the
+    incoming gradient. Same matmuls as the plain head + F.cross_entropy, but no [N, V]
+    log-softmax, no [N, V] gradient buffer and fewer passes over the logits, all in cache.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                compute_dtype: torch.dtype, need_grads: bool) -> torch.Tensor:
+        rows = _chunk_rows(weight.shape[0], hidden.device)
+        valid = targets != -1
+        count = valid.sum()
+        scale = 1.0 / count.to(torch.float32)  # inf when every target is ignored: nan, as F.cross_entropy
+        w = weight.to(compute_dtype)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if need_grads else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grads else None
+        for start in range(0, hidden.shape[0], rows):
+            h = hidden[start:start + rows].to(compute_dtype)
+            chunk_targets = targets[start:start + rows]
+            chunk_valid = valid[start:start + rows]
+            safe_targets = chunk_targets.clamp(min=0)[:, None]
+            logits = (h @ w.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            target_logits = logits.gather(1, safe_targets).squeeze(1)
+            loss_sum += torch.where(chunk_valid, lse - target_logits, 0.0).sum()
+            if not need_grads:
+                continue
+            probabilities = logits.sub_(lse[:, None]).exp_()
+            probabilities.scatter_add_(1, safe_targets, torch.full_like(target_logits, -1.0)[:, None])
+            probabilities.mul_(torch.where(chunk_valid, scale, 0.0)[:, None])
+            grad_logits = probabilities.to(compute_dtype)
+            grad_hidden[start:start + rows] = (grad_logits @ w).to(hidden.dtype)
+            if compute_dtype == torch.float32:
+                grad_weight.addmm_(grad_logits.t(), h)
+            else:
+                grad_weight += (grad_logits.t() @ h).float()
+        if need_grads:
+            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return loss_sum * scale
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss.to(grad_weight.dtype), \
+            None, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """fp32 mean cross-entropy of the logits ``hidden @ weight.T`` [N, V] against targets [N]
+    (-1 = ignored), equal to F.cross_entropy(F.linear(hidden, weight).float(), targets,
+    ignore_index=-1) but chunked (see _LinearCrossEntropy). Honours autocast's matmul dtype."""
+    need_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    compute_dtype = _compute_dtype(hidden)
+    with torch.autocast(hidden.device.type, enabled=False):
+        return _LinearCrossEntropy.apply(hidden, weight, targets, compute_dtype, need_grads)

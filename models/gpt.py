@@ -35,10 +35,12 @@ class GPTAttention(nn.Module):
             # A subnetwork holding no head of this block: only o_proj's bias remains, computed
             # through the (empty) projections so every held tensor gets a gradient.
             return self.o_proj(self.q_proj(x) + self.k_proj(x) + self.v_proj(x))
-        shape = (batch, length, self.n_heads, self.head_dim)
-        q = self.q_proj(x).view(shape)
-        k = self.k_proj(x).view(shape)
-        v = self.v_proj(x).view(shape)
+        # One matmul for q, k and v (as GPT-2's c_attn): the weights are concatenated per call,
+        # a copy of d x 3d that is small next to the activations, and autograd splits the grads.
+        weight = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
+        bias = torch.cat((self.q_proj.bias, self.k_proj.bias, self.v_proj.bias))
+        qkv = F.linear(x, weight, bias).view(batch, length, 3, self.n_heads, self.head_dim)
+        q, k, v = qkv.unbind(dim=2)
         y = causal_attention(q, k, v, self.backend)
         return self.o_proj(y.reshape(batch, length, self.n_heads * self.head_dim))
 

@@ -48,9 +48,11 @@ class LlamaAttention(nn.Module):
             # through the (empty) projections so every held tensor, the norm included, gets a
             # gradient (zeros) like in any other block.
             return self.o_proj(self.q_proj(x) + self.k_proj(x) + self.v_proj(x))
-        q = self.q_proj(x).view(batch, length, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(batch, length, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(batch, length, self.n_kv_heads, self.head_dim)
+        # One matmul for q, k and v: the weights are concatenated per call (small next to the
+        # activations) and autograd splits the gradient back into the three tensors.
+        weight = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
+        qkv = F.linear(x, weight).view(batch, length, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        q, k, v = qkv.split((self.n_heads, self.n_kv_heads, self.n_kv_heads), dim=2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = causal_attention(q, k, v, self.backend)
         return self.o_proj(y.reshape(batch, length, self.n_heads * self.head_dim))
@@ -64,7 +66,8 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, torch.cat((self.gate_proj.weight, self.up_proj.weight))).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaBlock(nn.Module):
