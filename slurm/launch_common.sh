@@ -31,7 +31,8 @@
 #   SCAPE_TRAIN_SCRIPT       entry point (default: $SCAPE_ROOT/train.py)
 #   SCAPE_OUT_DIR            parent of run directories (default: $SCAPE_ROOT/runs); an
 #                            out_dir=... override wins
-#   SCAPE_RUN_NAME           run name (default: <job name>-<job id>); a run_name=... override wins
+#   SCAPE_RUN_NAME           run name (default: <job name>-<job id>, or <experiment>-<job id> under
+#                            the default job name "scape"); a run_name=... override wins
 #   SCAPE_REQUEUE            what to do after a checkpoint on SIGUSR1: auto (scontrol requeue,
 #                            else resubmit with sbatch), requeue, resubmit, none (default auto)
 #   SCAPE_MAX_RESTARTS       stop continuing a run after this many requeues/resubmissions (50)
@@ -298,7 +299,15 @@ scape_launch() {
     # The run: named by the job unless given; every node and every restart agrees on it.
     local run_name out_dir run_dir
     run_name=$(scape__override_value run_name "$@")
-    [[ -n $run_name ]] || run_name=${SCAPE_RUN_NAME:-${SLURM_JOB_NAME:-scape}-${SLURM_JOB_ID}}
+    if [[ -z $run_name ]]; then
+        # <job name>-<job id>; with the scripts' default job name (scape) the experiment names
+        # the run instead, so `sbatch slurm/vista.sh +experiment=llama500m_scape99` writes to
+        # llama500m_scape99-<job id> (and shows under that name in wandb).
+        local base=${SLURM_JOB_NAME:-scape} experiment
+        experiment=$(scape__override_value experiment "$@")
+        [[ $base == scape && -n $experiment ]] && base=$experiment
+        run_name=${SCAPE_RUN_NAME:-$base-$SLURM_JOB_ID}
+    fi
     run_name=${run_name//[^A-Za-z0-9._-]/_}
     out_dir=$(scape__override_value out_dir "$@")
     [[ -n $out_dir ]] || out_dir=${SCAPE_OUT_DIR:-$SCAPE_ROOT/runs}

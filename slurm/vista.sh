@@ -7,7 +7,7 @@
 #   SCAPE_CPU=1 sbatch slurm/vista.sh +experiment=tiny_adamw logger=console   # no GPU
 #
 # Submit from the repository root. Every argument is a Hydra override for train.py. The run
-# directory is $SCAPE_OUT_DIR/<job name>-<job id> (default $SCRATCH/scape-sdp/runs, else
+# directory is $SCAPE_OUT_DIR/<experiment>-<job id> (default $SCRATCH/scape-sdp/runs, else
 # ./runs); the log is ./<job name>-<job id>.out. About 5 minutes before the time limit Slurm
 # sends SIGUSR1, train.py checkpoints and exits, and the job requeues itself and resumes from
 # that checkpoint (resume=auto). docs/CLUSTER.md has the details and all the settings.
