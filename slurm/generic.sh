@@ -26,7 +26,15 @@
 ##SBATCH -A ACCOUNT
 set -euo pipefail
 
-SCAPE_ROOT=${SCAPE_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}
+# sbatch runs a copy of this file from a spool directory, so there the repository is the
+# submit directory; run directly (`bash slurm/generic.sh` inside salloc/idev) it is this file's parent.
+if [[ -z ${SCAPE_ROOT:-} ]]; then
+    if [[ -f $(dirname "$0")/launch_common.sh ]]; then
+        SCAPE_ROOT=$(cd "$(dirname "$0")/.." && pwd)
+    else
+        SCAPE_ROOT=${SLURM_SUBMIT_DIR:-$PWD}
+    fi
+fi
 export SCAPE_ROOT
 [[ -f $SCAPE_ROOT/slurm/launch_common.sh ]] \
     || { echo "generic.sh: $SCAPE_ROOT is not the repository; submit from its root or set SCAPE_ROOT" >&2; exit 1; }

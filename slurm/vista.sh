@@ -26,9 +26,15 @@
 ##SBATCH -A YOUR_PROJECT
 set -euo pipefail
 
-# sbatch runs a copy of this file from a spool directory, so the repository is found from the
-# submit directory, not from $0.
-SCAPE_ROOT=${SCAPE_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}
+# sbatch runs a copy of this file from a spool directory, so there the repository is the
+# submit directory; run directly (`bash slurm/vista.sh` inside salloc/idev) it is this file's parent.
+if [[ -z ${SCAPE_ROOT:-} ]]; then
+    if [[ -f $(dirname "$0")/launch_common.sh ]]; then
+        SCAPE_ROOT=$(cd "$(dirname "$0")/.." && pwd)
+    else
+        SCAPE_ROOT=${SLURM_SUBMIT_DIR:-$PWD}
+    fi
+fi
 export SCAPE_ROOT
 [[ -f $SCAPE_ROOT/slurm/launch_common.sh ]] \
     || { echo "vista.sh: $SCAPE_ROOT is not the repository; submit from its root or set SCAPE_ROOT" >&2; exit 1; }
