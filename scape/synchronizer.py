@@ -118,6 +118,7 @@ class ScapeSynchronizer(GradientSynchronizer):
     def reduce_gradients(self) -> None:
         step = self.step_count + 1
         grad = self.flat.grad
+        self.timers.start_step()
         self._dense = self.is_dense(step)
         if self._dense:
             if self.cfg.lag and not self.is_dense(step + 1):
@@ -211,7 +212,8 @@ class ScapeSynchronizer(GradientSynchronizer):
             if mask is not None:
                 first, last = (positions[chunk], positions[chunk + 1]) if positions \
                     else (0, mask.numel())
-                kernels.gather_and_clear(residual, mask[first:last] - lo, values[first:last])
+                local = mask[first:last] - lo if lo else mask[first:last]
+                kernels.gather_and_clear(residual, local, values[first:last])
 
     def _rollback(self) -> None:
         """Undo this step's residual change (a skipped, non-finite step); non-finite entries -> 0."""
@@ -261,7 +263,13 @@ class ScapeSynchronizer(GradientSynchronizer):
             return
         with self.timers.time("wait"):
             if pending.work is not None:
-                pending.work.wait()
+                try:
+                    pending.work.wait()
+                except (RuntimeError, dist.DistError) as exc:
+                    error = getattr(comm, "CollectiveError", RuntimeError)
+                    raise error(f"rank {self.rank}: waiting for the SCAPE mask all-gather of step "
+                                f"{pending.step} ('scape_mask') failed: {exc}. A peer process "
+                                f"probably died or hangs; resume with resume=auto.") from exc
         with self.timers.time("pack"):
             self.mask = transport.decode(self.transport_at(pending.step), pending.received,
                                          self.layout.num_partitions, self.layout.partition_size,

@@ -33,6 +33,11 @@ class StepTimers:
             yield
             self.seconds[name] += time.perf_counter() - t0
 
+    def start_step(self) -> None:
+        """Forget earlier steps: metrics are per step even when only every n-th step is logged."""
+        self.seconds.clear()
+        self.pending.clear()
+
     def collect(self, names) -> Dict[str, float]:
         """Seconds per name since the last collect (0 for names that did not run)."""
         for name, start, end in self.pending:

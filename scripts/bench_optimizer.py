@@ -96,8 +96,12 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=50_000_000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch CPU threads (0 = torch's default); 1 gives steadier numbers on a shared machine")
     parser.add_argument("--out")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     torch.manual_seed(0)
     dense = dense_adams(args.numel, args.repeats, device)

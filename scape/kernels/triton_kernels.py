@@ -18,7 +18,7 @@ _BYTE_BLOCK = 256
 
 @triton.jit
 def _pack_bits_kernel(mask_ptr, out_ptr, n_bytes, BLOCK: tl.constexpr):
-    byte = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     bit = tl.arange(0, 8)
     valid = byte < n_bytes
     offsets = byte[:, None] * 8 + bit[None, :]
@@ -29,7 +29,7 @@ def _pack_bits_kernel(mask_ptr, out_ptr, n_bytes, BLOCK: tl.constexpr):
 
 @triton.jit
 def _unpack_bits_kernel(packed_ptr, out_ptr, n_bytes, BLOCK: tl.constexpr):
-    byte = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     bit = tl.arange(0, 8)
     valid = byte < n_bytes
     packed = tl.load(packed_ptr + byte, mask=valid, other=0).to(tl.int32)
@@ -41,7 +41,7 @@ def _unpack_bits_kernel(packed_ptr, out_ptr, n_bytes, BLOCK: tl.constexpr):
 @triton.jit
 def _gather_and_clear_kernel(source_ptr, index_ptr, out_ptr, n, KEEP_REMAINDER: tl.constexpr,
                              BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = i < n
     j = tl.load(index_ptr + i, mask=valid, other=0)
     value = tl.load(source_ptr + j, mask=valid, other=0.0)
@@ -60,7 +60,7 @@ def _gather_and_clear_kernel(source_ptr, index_ptr, out_ptr, n, KEEP_REMAINDER: 
 
 @triton.jit
 def _scatter_kernel(target_ptr, index_ptr, values_ptr, n, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = i < n
     j = tl.load(index_ptr + i, mask=valid, other=0)
     value = tl.load(values_ptr + i, mask=valid, other=0.0)
@@ -71,7 +71,7 @@ def _scatter_kernel(target_ptr, index_ptr, values_ptr, n, BLOCK: tl.constexpr):
 def _adams_masked_kernel(param_ptr, momentum_ptr, index_ptr, grad_ptr, scale_ptr, n, lr, beta1,
                          beta2, eps, bias_correction, HAS_SCALE: tl.constexpr,
                          BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = i < n
     j = tl.load(index_ptr + i, mask=valid, other=0)
     g = tl.load(grad_ptr + i, mask=valid, other=0.0)
@@ -90,7 +90,7 @@ def _adams_masked_kernel(param_ptr, momentum_ptr, index_ptr, grad_ptr, scale_ptr
 @triton.jit
 def _adams_dense_kernel(param_ptr, momentum_ptr, grad_ptr, n, lr, beta1, beta2, eps,
                         bias_correction, decay_factor, decay_end, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = i < n
     g = tl.load(grad_ptr + i, mask=valid, other=0.0)
     m = tl.load(momentum_ptr + i, mask=valid, other=0.0)
