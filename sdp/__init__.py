@@ -47,7 +47,7 @@ def build_synchronizer(model_cfg: Any, sdp_cfg: Any, opt_cfg: Any, world_size: i
     """
     from models import build_model
     from models.config import ModelConfig
-    from sdp.layout import ComponentLayout
+    from sdp.layout import ComponentLayout, skip_meta_init
     from sdp.plan import make_plan
     from sdp.synchronizer import SubnetworkSynchronizer
     from trainer.parts import build_optimizer
@@ -61,7 +61,8 @@ def build_synchronizer(model_cfg: Any, sdp_cfg: Any, opt_cfg: Any, world_size: i
                          "use optimizer=adams or optimizer=adamw")
     plan = make_plan(model_cfg, sdp_cfg, world_size)
     spec = plan.subnet_spec(rank) if sdp_cfg.masking == "forward" else None
-    model = build_model(model_cfg, spec, device=device)
+    with skip_meta_init():  # the factory sizes sliced tensors on a meta copy of the full model
+        model = build_model(model_cfg, spec, device=device)
     layout = ComponentLayout(model_cfg, plan)
     sync = SubnetworkSynchronizer(model, plan, layout, rank, sdp_cfg.masking,
                                   lambda params: build_optimizer(params, opt_cfg))

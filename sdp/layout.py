@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from models import build_model
 from models.config import ModelConfig
@@ -48,10 +49,30 @@ def _block_of(name: str) -> Optional[int]:
     return int(name.split(".", 2)[1])
 
 
+class skip_meta_init(TorchFunctionMode):
+    """Skip the in-place initialisers on meta tensors while modules are constructed.
+
+    Meta tensors have no values, but ``normal_`` on them runs a Python decomposition that
+    imports torch._dynamo (seconds per process, tens of seconds for 4 test ranks on a busy
+    CPU). Real tensors are initialised as usual.
+    """
+
+    SKIPPED = frozenset({"normal_", "uniform_", "fill_", "zero_", "trunc_normal_", "kaiming_uniform_",
+                         "ones_", "zeros_"})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in self.SKIPPED:
+            target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
+
+
 def meta_full_model(model_cfg: ModelConfig) -> torch.nn.Module:
     """The full model's structure without memory; leaves the torch RNG as it was (the factory
     draws its init seed even on meta, and the trainer's random stream must not depend on SDP)."""
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), skip_meta_init():
         return build_model(model_cfg, device="meta")
 
 

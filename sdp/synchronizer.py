@@ -157,12 +157,21 @@ class SubnetworkSynchronizer(GradientSynchronizer):
         holder_sets = self.plan.holder_sets()
         by_set: Dict[Tuple[int, ...], List[Tuple[nn.Parameter, LocalPiece]]] = {}
         for name, tensor in held:
-            for piece in self.layout.local_pieces(name, tensor.shape, self.spec):
+            pieces = self.layout.local_pieces(name, tensor.shape, self.spec)
+            per_set: Dict[Tuple[int, ...], List[LocalPiece]] = {}
+            for piece in pieces:
                 ranks = world if piece.component == ALWAYS_HELD else holder_sets[piece.component]
                 if self.rank not in ranks:
                     raise RuntimeError(f"rank {self.rank} holds {name} of component {piece.component} "
                                        f"but the plan says only ranks {ranks} do")
-                by_set.setdefault(ranks, []).append((tensor, piece))
+                per_set.setdefault(ranks, []).append(piece)
+            for ranks, same in per_set.items():  # components that share a holder set share a piece
+                if len(same) == len(pieces):
+                    merged = LocalPiece(same[0].component, None, None, tensor.numel())
+                else:
+                    positions = torch.cat([p.positions for p in same]).sort().values
+                    merged = LocalPiece(same[0].component, same[0].dim, positions, sum(p.numel for p in same))
+                by_set.setdefault(ranks, []).append((tensor, merged))
         buckets = []
         for ranks in self.plan.distinct_holder_sets():  # the global order: no deadlock across groups
             if ranks not in by_set:
@@ -231,26 +240,31 @@ class SubnetworkSynchronizer(GradientSynchronizer):
                 bp.tensor.grad.index_copy_(bp.piece.dim, bp.piece.positions, part)
 
     def clip_gradients(self, max_norm: float) -> float:
-        """One global norm, each component counted once, so every holder clips alike."""
-        squares = torch.zeros(1, dtype=torch.float64, device=self.device)
+        """One global norm, each component counted once, so every holder clips alike.
+
+        The local part is torch's own total norm (as ``clip_grad_norm_`` computes it), squared
+        exactly in fp64 and summed over ranks, and the scaling is torch's, so with C = 1 (one rank
+        speaks for the whole world) norm and coefficient are DDP's bit for bit.
+        """
+        parts = []
         for bucket in self.buckets:
             if bucket.ranks[0] != self.rank:  # the lowest-rank holder speaks for the set
                 continue
-            if bucket.reduces or all(bp.piece.dim is None for bp in bucket.pieces):
-                squares += bucket.buffer.double().square().sum()
-            else:  # a one-rank bucket is never packed: read its pieces
-                for bp in bucket.pieces:
-                    part = bp.tensor.grad if bp.piece.dim is None else \
-                        bp.tensor.grad.index_select(bp.piece.dim, bp.piece.positions)
-                    squares += part.double().square().sum()
+            for bp in bucket.pieces:
+                if bp.piece.dim is None:
+                    parts.append(bp.tensor.grad)
+                elif bucket.reduces:  # packed: the reduced values sit in the bucket
+                    parts.append(bucket.buffer[bp.offset:bp.offset + bp.piece.numel])
+                else:
+                    parts.append(bp.tensor.grad.index_select(bp.piece.dim, bp.piece.positions))
+        local = torch.nn.utils.get_total_norm(parts) if parts else torch.zeros((), device=self.device)
+        squares = local.double().square().reshape(1)
         if self.world > 1 and dist.is_available() and dist.is_initialized():
             comm.all_reduce(squares, kind="sdp_norm")
-        total = float(squares.sqrt())
+        total = squares.sqrt().float().reshape(())
         if max_norm > 0:
-            coef = min(max_norm / (total + 1e-6), 1.0)
-            for t in self.params:
-                t.grad.mul_(coef)
-        return total
+            torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total)
+        return float(total)
 
     def step(self, lr: float) -> None:
         super().step(lr)
