@@ -17,6 +17,7 @@ register_configs()
 def main(cfg: DictConfig) -> None:
     from data import DataPipelineError
     from trainer.checkpoint import CheckpointError
+    from trainer.comm import CollectiveError
     from trainer.loop import RankZeroError, run
 
     try:
@@ -26,6 +27,9 @@ def main(cfg: DictConfig) -> None:
         # fix; a traceback would only hide it. Bugs still raise with their traceback.
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except CollectiveError as exc:  # a peer died or hung: name it, no 40-frame traceback
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -56,13 +56,30 @@ class CommCounter:
 COUNTER = CommCounter()
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names this rank, the operation and the kind."""
+
+
+def _guarded(op_name: str, kind: str, group, fn):
+    """Run a collective and re-raise a failure (a peer gone, a timeout) with rank and operation."""
+    try:
+        return fn()
+    except (RuntimeError, dist.DistError) as exc:  # DistBackendError, gloo/NCCL timeouts
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise CollectiveError(
+            f"rank {rank}: {op_name} of '{kind}' over {_group_size(group)} ranks failed: "
+            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. A peer process probably "
+            f"died or hangs; the wait is bounded by train.dist_timeout_s. Resume with resume=auto.") from exc
+
+
 def all_reduce(tensor: torch.Tensor, kind: str, op=None, group=None, async_op: bool = False):
     """``dist.all_reduce`` counted under ``kind``; a no-op outside a process group."""
     world = _group_size(group)
     COUNTER.add(kind, all_reduce_bytes(tensor.numel() * tensor.element_size(), world))
     if world <= 1:
         return None
-    return dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _guarded("all_reduce", kind, group, lambda: dist.all_reduce(
+        tensor, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op))
 
 
 def all_gather_into_tensor(output: torch.Tensor, local: torch.Tensor, kind: str, group=None,
@@ -75,7 +92,7 @@ def all_gather_into_tensor(output: torch.Tensor, local: torch.Tensor, kind: str,
         return None
     # all_gather_single is the name from torch 2.12 on; older releases only have the other one.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(output, local, group=group, async_op=async_op)
+    return _guarded("all_gather", kind, group, lambda: gather(output, local, group=group, async_op=async_op))
 
 
 def broadcast(tensor: torch.Tensor, src: int, kind: str, group=None, async_op: bool = False):
@@ -86,4 +103,5 @@ def broadcast(tensor: torch.Tensor, src: int, kind: str, group=None, async_op: b
     rank = dist.get_rank()
     if rank == src:
         COUNTER.add(kind, float(tensor.numel() * tensor.element_size()))
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return _guarded("broadcast", kind, group, lambda: dist.broadcast(tensor, src=src, group=group,
+                                                                       async_op=async_op))

@@ -209,8 +209,8 @@ def _train(cfg: DictConfig, env: DistEnv) -> Dict[str, Any]:
     if resume_from is not None:
         meta = load_checkpoint(resume_from, sync, env)
         start_step, bytes_cumulative = int(meta["step"]), float(meta.get("bytes_cumulative", 0.0))
-        if env.is_main:
-            _trim_metrics(run_dir / "metrics.jsonl", start_step)
+    if env.is_main:  # e.g. a restart by torchrun --max-restarts before the first checkpoint
+        _trim_metrics(run_dir / "metrics.jsonl", start_step)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     if env.is_main:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -321,7 +321,8 @@ def _train(cfg: DictConfig, env: DistEnv) -> Dict[str, Any]:
                 logger.log(step, {"val/loss": last_val, "val/perplexity": math.exp(min(last_val, 50))})
         ran = step - start_step
         stop_job = stop_requested or (t_cfg.stop_after_steps is not None and ran >= t_cfg.stop_after_steps)
-        if (t_cfg.ckpt_every and step % t_cfg.ckpt_every == 0) or step == total_steps or stop_job:
+        periodic = t_cfg.ckpt_every and step % t_cfg.ckpt_every == 0 and not nonfinite_in_row
+        if periodic or step == total_steps or stop_job:  # no rotation of good checkpoints mid-trouble
             checkpoint(step)
             saved_at = step
         if stop_job and step < total_steps:
