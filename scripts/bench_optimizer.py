@@ -24,7 +24,6 @@ import torch  # noqa: E402
 
 from scape.adams import AdamS  # noqa: E402
 from scape.config import OptimizerConfig  # noqa: E402
-from scape.kernels import reference  # noqa: E402
 from scape.synchronizer import ScapeSynchronizer  # noqa: E402
 
 
@@ -50,45 +49,48 @@ def _timed(fn: Callable[[], None], device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def dense_adams(numel: int, repeats: int, device: torch.device) -> Dict[str, float]:
-    model = FlatMatrix(numel, device)
-    optimizer = AdamS([{"params": [model.weight], "weight_decay": 0.1}], lr=1e-3)
-    model.weight.grad = 1e-3 * torch.randn_like(model.weight)
-    optimizer.step()  # state allocation outside the timing
-    times = [_timed(optimizer.step, device) for _ in range(repeats)]
-    param, momentum, grad = (model.weight.detach().view(-1), torch.zeros(numel, device=device),
-                             model.weight.grad.view(-1))
-    fused = [_timed(lambda: reference.adams_dense_update(param, momentum, grad, 1e-3, 0.9, 0.95,
-                                                         1e-8, 0.5, 0.1, numel), device)
-             for _ in range(repeats)]
-    return {"adams_optimizer_step_s": statistics.median(times),
-            "adams_reference_kernel_s": statistics.median(fused)}
+class DenseAdamSArm:
+    """One dense AdamS step (the project's optimizer) on the whole buffer."""
+
+    def __init__(self, numel: int, device: torch.device) -> None:
+        self.model = FlatMatrix(numel, device)
+        self.optimizer = AdamS([{"params": [self.model.weight], "weight_decay": 0.1}], lr=1e-3)
+        self.model.weight.grad = 1e-3 * torch.randn_like(self.model.weight)
+        self.optimizer.step()  # state allocation outside the timing
+
+    def run(self, device: torch.device) -> Dict[str, float]:
+        return {"step": _timed(self.optimizer.step, device)}
 
 
-def scape_step(numel: int, sparsity: float, repeats: int, device: torch.device) -> Dict:
-    model = FlatMatrix(numel, device)
-    sync = ScapeSynchronizer(model, OptimizerConfig(name="scape", sparsity=sparsity, lr=1e-3))
-    gen = torch.Generator(device=device).manual_seed(0)
-    phases: Dict[str, List[float]] = {"reduce_gradients": [], "clip_gradients": [], "step": [],
-                                      "after_step": []}
-    internal: Dict[str, List[float]] = {}
-    for step in range(repeats + 2):  # step 1 is dense, step 2 the first sparse: not timed
-        sync.flat.grad.normal_(0.0, 1e-3, generator=gen)
+class ScapeArm:
+    """One SCAPE step (one process: the collectives are no-ops) split by phase."""
+
+    def __init__(self, numel: int, sparsity: float, device: torch.device) -> None:
+        self.sync = ScapeSynchronizer(FlatMatrix(numel, device),
+                                      OptimizerConfig(name="scape", sparsity=sparsity, lr=1e-3))
+        self.gen = torch.Generator(device=device).manual_seed(0)
+        for _ in range(2):  # step 1 is dense, step 2 the first sparse one: not timed
+            self.run(device)
+
+    def run(self, device: torch.device) -> Dict[str, float]:
+        sync = self.sync
+        sync.flat.grad.normal_(0.0, 1e-3, generator=self.gen)
         timings = {"reduce_gradients": _timed(sync.reduce_gradients, device),
                    "clip_gradients": _timed(lambda: sync.clip_gradients(1.0), device),
                    "step": _timed(lambda: sync.step(1e-3), device),
                    "after_step": _timed(sync.after_step, device)}
         metrics = sync.metrics()
-        if step >= 2:
-            for name, seconds in timings.items():
-                phases[name].append(seconds)
-            for key in ("scape/time_topk_s", "scape/time_pack_s", "scape/time_wait_s"):
-                internal.setdefault(key.split("/")[1], []).append(metrics[key])
-    out = {name: statistics.median(v) for name, v in phases.items()}
-    out["total_s"] = sum(out.values())
-    out["of_which"] = {name: statistics.median(v) for name, v in internal.items()}
-    out["k"] = sync.k_at(sync.step_count + 1)
-    return out
+        timings.update({key.split("/")[1]: metrics[key] for key in
+                        ("scape/time_topk_s", "scape/time_pack_s")})
+        timings["total"] = sum(timings[k] for k in ("reduce_gradients", "clip_gradients", "step",
+                                                     "after_step"))
+        return timings
+
+
+def _summary(runs: List[Dict[str, float]]) -> Dict[str, Dict[str, float]]:
+    keys = runs[0].keys()
+    return {"min": {k: min(r[k] for r in runs) for k in keys},
+            "median": {k: statistics.median(r[k] for r in runs) for k in keys}}
 
 
 def main() -> None:
@@ -104,16 +106,26 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     torch.manual_seed(0)
-    dense = dense_adams(args.numel, args.repeats, device)
+    arms = {"dense_adams": DenseAdamSArm(args.numel, device),
+            "scape90": ScapeArm(args.numel, 0.9, device),
+            "scape99": ScapeArm(args.numel, 0.99, device)}
+    runs: Dict[str, List[Dict[str, float]]] = {name: [] for name in arms}
+    for _ in range(args.repeats):  # interleaved, so a change in machine load hits every arm
+        for name, arm in arms.items():
+            runs[name].append(arm.run(device))
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
               "machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
                          f"{os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, "
                          f"device {device}, torch {torch.__version__}",
-              "numel": args.numel, "repeats": args.repeats, "dense": dense}
-    for sparsity in (0.9, 0.99):
-        scape = scape_step(args.numel, sparsity, args.repeats, device)
-        scape["ratio_vs_dense_adams"] = scape["total_s"] / dense["adams_optimizer_step_s"]
-        report[f"scape{int(round(sparsity * 100))}"] = scape
+              "numel": args.numel, "repeats": args.repeats, "seconds": {}}
+    dense = _summary(runs["dense_adams"])
+    report["seconds"]["dense_adams"] = dense
+    for name in ("scape90", "scape99"):
+        summary = _summary(runs[name])
+        summary["k"] = arms[name].sync.k_at(arms[name].sync.step_count + 1)
+        for stat in ("min", "median"):
+            summary[f"ratio_vs_dense_adams_{stat}"] = summary[stat]["total"] / dense[stat]["step"]
+        report["seconds"][name] = summary
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:
