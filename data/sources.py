@@ -13,8 +13,8 @@ import os
 from typing import Any, Dict, Iterable, Iterator, List, Tuple
 
 from .config import DataConfig
-from .errors import (DataPipelineError, EmptyCorpusError, HubUnreachableError, MissingPathError,
-                     OFFLINE_OPTIONS, TextFieldError)
+from .errors import (DataPipelineError, HubUnreachableError, MissingPathError, OFFLINE_OPTIONS,
+                     TextFieldError)
 
 _BUILDER_BY_SUFFIX = {".txt": "text", ".text": "text", ".md": "text", ".json": "json",
                       ".jsonl": "json", ".parquet": "parquet"}

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pytest
 
 from data import TokenLoader, prepare
 from data.preparation import main
