@@ -47,6 +47,7 @@ class Arm:
     label: str
     overrides: Tuple[str, ...]
     note: str = ""
+    in_all: bool = True  # part of `--arms all` (the list); the others are attempts at the gap
 
 
 SCAPE = ("optimizer=scape",)
@@ -71,6 +72,17 @@ ARMS: Dict[str, Arm] = {arm.name: arm for arm in [
         "same steps as dense"),
     Arm("nsdp50_fm", "N-SDP C=0.5, FLOP-matched",
         (*SDP_COMMON, "sdp=neuron", "sdp.groups_per_block=4", "sdp.flop_matched=true"), "1/C = 2x the steps"),
+    # Attempts at the gap with the spec's own options ({quarter} = a quarter of the steps).
+    Arm("scape90_warm", "SCAPE-90, sparsity warm-up 25%", (*SCAPE, "optimizer.sparsity=0.9",
+        "optimizer.sparsity_warmup_steps={quarter}"), "density from 1 to 0.1 over the first quarter", False),
+    Arm("scape90_cap8", "SCAPE-90, stale_scale_cap 8", (*SCAPE, "optimizer.sparsity=0.9",
+        "optimizer.stale_scale_cap=8"), "lazy step scaled by steps since last sent (<= 8)", False),
+    Arm("scape99_warm", "SCAPE-99, sparsity warm-up 25%", (*SCAPE, "optimizer.sparsity=0.99",
+        "optimizer.sparsity_warmup_steps={quarter}"), "density from 1 to 0.01 over the first quarter", False),
+    Arm("scape99_cap8", "SCAPE-99, stale_scale_cap 8", (*SCAPE, "optimizer.sparsity=0.99",
+        "optimizer.stale_scale_cap=8"), "lazy step scaled by steps since last sent (<= 8)", False),
+    Arm("scape99_warm_cap8", "SCAPE-99, warm-up 25% + cap 8", (*SCAPE, "optimizer.sparsity=0.99",
+        "optimizer.sparsity_warmup_steps={quarter}", "optimizer.stale_scale_cap=8"), "both", False),
 ]}
 
 # ../shared/specs/SCAPE.md "Quality targets" and SDP.md "Reference simulation": (arm, kind, bound).
@@ -135,7 +147,8 @@ def merge_overrides(*groups: Sequence[str]) -> List[str]:
 
 
 def arm_command(arm: Arm, args: argparse.Namespace, run_dir: Path) -> List[str]:
-    overrides = merge_overrides(model_overrides(args), data_overrides(args), arm.overrides, args.set or [])
+    arm_specific = [item.format(quarter=max(1, args.steps // 4)) for item in arm.overrides]
+    overrides = merge_overrides(model_overrides(args), data_overrides(args), arm_specific, args.set or [])
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
             str(REPO / "train.py"), *overrides, f"out_dir={run_dir.parent}", f"run_name={run_dir.name}"]
 
@@ -320,7 +333,8 @@ def machine_info() -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arms", default="all", help=f"comma-separated, or all: {', '.join(ARMS)}")
+    parser.add_argument("--arms", default="all", help=f"comma-separated, 'all' (the issue's arms) or "
+                        f"'extra' (attempts at the gap): {', '.join(ARMS)}")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps of the dense arms")
     parser.add_argument("--nproc", type=int, default=4, help="gloo ranks per arm (SDP at C=0.5 wants 4)")
     parser.add_argument("--global-batch-tokens", type=int, default=2048)
@@ -345,7 +359,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rerun", action="store_true", help="train arms again even if a completed run matches")
     parser.add_argument("--report-only", action="store_true", help="only rebuild table, JSON and plots")
     args = parser.parse_args(argv)
-    names = list(ARMS) if args.arms == "all" else [a.strip() for a in args.arms.split(",") if a.strip()]
+    aliases = {"all": [n for n, a in ARMS.items() if a.in_all], "extra": [n for n, a in ARMS.items() if not a.in_all]}
+    names = [n for item in args.arms.split(",") if item.strip()
+             for n in aliases.get(item.strip(), [item.strip()])]
     unknown = [n for n in names if n not in ARMS]
     if unknown:
         parser.error(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
