@@ -10,6 +10,7 @@ import glob
 import hashlib
 import itertools
 import os
+import tempfile
 from typing import Any, Dict, Iterable, Iterator, List, Tuple
 
 from .config import DataConfig
@@ -88,10 +89,13 @@ def _local_records(cfg: DataConfig) -> Iterator[Tuple[str, Dict[str, Any]]]:
             # encoding is not spelled "utf-8"; "utf_8" is the same codec under another name.
             kwargs.update(encoding="utf_8", encoding_errors="replace")
         try:
-            dataset = datasets.load_dataset(builder, data_files=group, split="train", streaming=True,
-                                            **kwargs)
-            for record in dataset:
-                yield f"{builder} files {group[0]}{' ...' if len(group) > 1 else ''}", record
+            # Streaming reads the files in place; the throwaway cache_dir only catches the lock
+            # files datasets leaves behind, which would otherwise pile up in ~/.cache.
+            with tempfile.TemporaryDirectory(prefix="data_local_") as scratch:
+                dataset = datasets.load_dataset(builder, data_files=group, split="train", streaming=True,
+                                                cache_dir=scratch, **kwargs)
+                for record in dataset:
+                    yield f"{builder} files {group[0]}{' ...' if len(group) > 1 else ''}", record
         except DataPipelineError:
             raise
         except Exception as exc:  # datasets/pyarrow errors name the library, not the user's mistake

@@ -103,3 +103,25 @@ def test_embedded_corpus_is_the_python_docs_and_stdlib_docstrings():
     assert everything[:len(topics)] == topics
     assert len(everything) > len(topics) + 200 and sum(map(len, everything)) > 1_500_000
     assert any(d.startswith("The \"for\" statement") for d in topics)
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_hub_code_path_on_a_local_dataset_folder_with_its_own_validation_split(tmp_path, monkeypatch, streaming):
+    """data.source=hub runs datasets.load_dataset(hf_path, ...) as for a hub id; a local dataset
+    folder exercises that very call (splits, streaming, max_documents) without the network."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    dataset_dir = tmp_path / "my_dataset"
+    dataset_dir.mkdir()
+    train, validation = make_documents(60, seed=8), make_documents(15, seed=9)
+    (dataset_dir / "train.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in train))
+    (dataset_dir / "validation.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in validation))
+    cfg = DataConfig(name="hubstyle", source="hub", hf_path=str(dataset_dir), hf_split="train",
+                     hf_val_split="validation", max_documents=40, max_val_documents=10,
+                     streaming=streaming, cache_dir=str(tmp_path / "cache"), num_proc=1)
+    pairs = list(iter_documents(cfg))
+    assert [t for s, t in pairs if s == "train"] == train[:40]
+    assert [t for s, t in pairs if s == "val"] == validation[:10]
+    manifest = read_manifest(prepare(cfg, small_bpe()))
+    assert manifest["splits"]["train"]["num_documents"] == 40 and manifest["splits"]["val"]["num_documents"] == 10
