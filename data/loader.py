@@ -82,7 +82,9 @@ class TokenLoader:
             if epoch not in self._orders:
                 if len(self._orders) >= 2:
                     self._orders.pop(min(self._orders))
-                self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+                order = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+                # int32 halves the resident order (9B tokens at seq 1024: 35 MB instead of 70 MB).
+                self._orders[epoch] = order.astype(np.int32) if self.num_windows < 2**31 else order
             return self._orders[epoch]
 
     def sample_windows(self, step: int, micro: int, accum_steps: int) -> List[int]:

@@ -110,9 +110,19 @@ def verify_shards(folder: pathlib.Path, manifest: Dict[str, Any], checksums: boo
 
 
 def open_shards(folder: pathlib.Path, manifest: Dict[str, Any], split: str) -> List[np.memmap]:
+    """Memory-map a split's shards after a size check (a full checksum is prepare's job)."""
     dtype = manifest_dtype(manifest)
-    return [np.memmap(folder / e["file"], dtype=dtype, mode="r", shape=(e["num_tokens"],))
-            for e in shard_entries(manifest, split) if e["num_tokens"] > 0]
+    shards = []
+    for entry in shard_entries(manifest, split):
+        path = folder / entry["file"]
+        expected_bytes = entry["num_tokens"] * dtype.itemsize
+        if not path.is_file() or path.stat().st_size != expected_bytes:
+            raise ShardChecksumError(
+                f"shard {path} is missing or does not have the {expected_bytes} bytes its manifest "
+                f"says; delete {folder} and rerun prepare to rebuild it")
+        if entry["num_tokens"] > 0:
+            shards.append(np.memmap(path, dtype=dtype, mode="r", shape=(entry["num_tokens"],)))
+    return shards
 
 
 def concat_files(paths: Iterable[pathlib.Path], dtype: np.dtype) -> np.ndarray:

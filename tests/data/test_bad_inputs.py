@@ -4,8 +4,10 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from data import TokenLoader, prepare
+from data.errors import ShardChecksumError
 from data.preparation import main
 from data.shards import read_manifest
 
@@ -84,6 +86,8 @@ def test_shard_checksum_mismatch_is_refused_and_the_shard_kept(tmp_path, jsonl_c
     assert folder_snapshot(folder) == before
     shard.write_bytes(shard.read_bytes()[:-2])  # truncated
     _fails(capsys, argv, "truncated")
+    with pytest.raises(ShardChecksumError, match="rerun prepare"):
+        TokenLoader(folder, "train", 8, 1, 0, 1, seed=0)
 
 
 def _big_vocab_tokenizer(folder, size: int = 70_000):
