@@ -15,6 +15,22 @@ OFFLINE_OPTIONS = (
 )
 
 
+def looks_like_network_failure(exc: BaseException) -> bool:
+    """True when an HF loading error (or one it wraps) comes from having no route to the hub."""
+    seen = 0
+    while exc is not None and seen < 20:
+        if isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__name__ in (
+                "OfflineModeIsEnabled", "LocalEntryNotFoundError", "ConnectError", "gaierror"):
+            return True
+        message = str(exc).lower()
+        if ("offline" in message or "couldn't reach" in message or "couldn't connect" in message
+                or "not cached" in message):
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
+
 class DataPipelineError(Exception):
     """A failure with a message meant for the person running the pipeline."""
 

@@ -39,6 +39,10 @@ def init_worker(tokenizer_file: str, eos_id: int, dtype: str, watch_parent: bool
 
     global _worker_tokenizer, _worker_eos_id, _worker_dtype
     _worker_tokenizer = Tokenizer.from_file(tokenizer_file)
+    # A tokenizer.json may carry truncation/padding settings meant for model inputs; applied
+    # here they would silently cut or pad documents.
+    _worker_tokenizer.no_truncation()
+    _worker_tokenizer.no_padding()
     _worker_eos_id = eos_id
     _worker_dtype = np.dtype(dtype)
 

@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Tuple
 
 from .config import DataConfig
 from .errors import (DataPipelineError, HubUnreachableError, MissingPathError, OFFLINE_OPTIONS,
-                     TextFieldError)
+                     TextFieldError, looks_like_network_failure)
 
 _BUILDER_BY_SUFFIX = {".txt": "text", ".text": "text", ".md": "text", ".json": "json",
                       ".jsonl": "json", ".parquet": "parquet"}
@@ -102,24 +102,10 @@ def _local_records(cfg: DataConfig) -> Iterator[Tuple[str, Dict[str, Any]]]:
             raise DataPipelineError(f"could not read {group}: {type(exc).__name__}: {exc}") from exc
 
 
-def _is_network_failure(exc: BaseException) -> bool:
-    seen = 0
-    while exc is not None and seen < 20:
-        if isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__name__ in (
-                "OfflineModeIsEnabled", "LocalEntryNotFoundError", "ConnectError", "gaierror"):
-            return True
-        message = str(exc).lower()
-        if "offline" in message or "couldn't reach" in message or "not cached" in message:
-            return True
-        exc = exc.__cause__ or exc.__context__
-        seen += 1
-    return False
-
-
 def _hub_error(cfg: DataConfig, split: str, exc: Exception) -> DataPipelineError:
     where = f"{cfg.hf_path!r}" + (f" (config {cfg.hf_name!r})" if cfg.hf_name else "") + f", split {split!r}"
     first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
-    if _is_network_failure(exc):
+    if looks_like_network_failure(exc):
         return HubUnreachableError(
             f"could not load dataset {where}: the Hugging Face hub is unreachable from this machine "
             f"(or offline mode is on) and the dataset is not in the local cache. {OFFLINE_OPTIONS} "

@@ -12,7 +12,8 @@ import pathlib
 from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional
 
 from .config import TokenizerConfig
-from .errors import DataPipelineError, HubUnreachableError, MissingPathError, OFFLINE_OPTIONS
+from .errors import (DataPipelineError, HubUnreachableError, MissingPathError, OFFLINE_OPTIONS,
+                     looks_like_network_failure)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -71,11 +72,17 @@ def load_hf_tokenizer(cfg: TokenizerConfig):
     else:
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, use_fast=True)
-        except OSError as exc:
-            raise HubUnreachableError(
-                f"could not load tokenizer {path!r}: the Hugging Face hub is unreachable from this "
-                f"machine (or offline mode is on) and the tokenizer is not in the local cache. "
-                f"{OFFLINE_OPTIONS} (original error: {str(exc).splitlines()[0]})") from exc
+        except (OSError, ValueError) as exc:
+            first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
+            if looks_like_network_failure(exc):
+                raise HubUnreachableError(
+                    f"could not load tokenizer {path!r}: the Hugging Face hub is unreachable from this "
+                    f"machine (or offline mode is on) and the tokenizer is not in the local cache. "
+                    f"{OFFLINE_OPTIONS} (original error: {first_line})") from exc
+            hint = (" The repository is gated: accept its licence on the hub and log in "
+                    "(huggingface-cli login), or use a local copy." if "gated" in str(exc).lower() else "")
+            raise DataPipelineError(f"could not load tokenizer {path!r}: {first_line}.{hint} "
+                                    f"{OFFLINE_OPTIONS}") from exc
     if not isinstance(tokenizer, PreTrainedTokenizerFast):
         raise DataPipelineError(f"tokenizer {path!r} has no fast (Rust) version; the pipeline needs one")
     eos = _pick_eos(tokenizer, cfg.eos_token)
