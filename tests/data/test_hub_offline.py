@@ -37,3 +37,21 @@ def test_hub_datasets_and_tokenizers_offline_say_so(tmp_path):
         for option in ("data=embedded", "data=local", "tokenizer=bpe_local", "HF_DATASETS_OFFLINE"):
             assert option in error
     assert not (tmp_path / "cache").exists()
+
+
+def test_network_failures_are_told_apart_from_other_loading_errors():
+    from data.errors import looks_like_network_failure
+
+    def chained(outer: Exception, inner: Exception) -> Exception:
+        try:
+            try:
+                raise inner
+            except Exception as cause:
+                raise outer from cause
+        except Exception as exc:
+            return exc
+
+    assert looks_like_network_failure(chained(OSError("We couldn't load the files"), ConnectionError("DNS")))
+    assert looks_like_network_failure(ValueError("Couldn't reach 'x/y' on the Hub (OfflineModeIsEnabled)"))
+    assert not looks_like_network_failure(OSError("gpt3 is not a valid model identifier listed on the hub"))
+    assert not looks_like_network_failure(ValueError("Unknown split 'valid'. Should be one of ['train']"))

@@ -126,3 +126,12 @@ def test_hub_code_path_on_a_local_dataset_folder_with_its_own_validation_split(t
     assert [t for s, t in pairs if s == "val"] == validation[:10]
     manifest = read_manifest(prepare(cfg, small_bpe()))
     assert manifest["splits"]["train"]["num_documents"] == 40 and manifest["splits"]["val"]["num_documents"] == 10
+
+
+def test_prepare_takes_a_dict_config_and_rejects_unknown_keys(tmp_path, jsonl_corpus):
+    values = {"name": "fromdict", "source": "local", "paths": [str(jsonl_corpus)], "val_fraction": 0.2,
+              "cache_dir": str(tmp_path / "cache"), "num_proc": 1}
+    folder = prepare(OmegaConf.create(values), OmegaConf.create({"name": "bpe_small", "vocab_size": 300}))
+    assert folder.name == "fromdict-bpe_small" and read_manifest(folder)["vocab_size"] <= 300
+    with pytest.raises(Exception, match="unknown DataConfig keys \\['val_fractoin'\\]"):
+        prepare({**values, "val_fractoin": 0.1}, small_bpe())
