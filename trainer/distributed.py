@@ -44,8 +44,27 @@ def init_distributed(device_pref: str = "auto", timeout_s: int = 600) -> DistEnv
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if use_cuda else "gloo",
                                 timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=device if use_cuda else None)
+                                device_id=device if use_cuda else None,
+                                **_restart_store_kwargs(rank, world, timeout_s))
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device)
+
+
+def _restart_store_kwargs(rank: int, world: int, timeout_s: int) -> dict:
+    """A fresh key space for workers restarted by ``torchrun --max-restarts``.
+
+    torchrun's agent keeps its TCPStore across restarts, so restarted workers would read the dead
+    workers' connection addresses ("Gloo connectFullMesh failed ... Connection refused",
+    pytorch/pytorch#167288). Prefixing the keys with the restart count avoids the stale ones.
+    Returns no arguments (the default env:// store) for a first start.
+    """
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart == 0:
+        return {}
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent_hosts,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    return {"store": dist.PrefixStore(f"restart-{restart}", store), "rank": rank, "world_size": world}
 
 
 def barrier() -> None:

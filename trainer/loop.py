@@ -148,15 +148,16 @@ def _write_json(path: Path, obj: Dict[str, Any]) -> None:
 
 def run(cfg: DictConfig) -> Dict[str, Any]:
     """Train as the config says; returns the run's summary (also written to summary.json)."""
+    stop = StopSignal()  # first, so a signal during a long start-up still ends cleanly
     validate(cfg)
     env = init_distributed(cfg.train.device, cfg.train.dist_timeout_s)
     try:
-        return _train(cfg, env)
+        return _train(cfg, env, stop)
     finally:
         shutdown()
 
 
-def _train(cfg: DictConfig, env: DistEnv) -> Dict[str, Any]:
+def _train(cfg: DictConfig, env: DistEnv, stop: StopSignal) -> Dict[str, Any]:
     import data as data_pipeline
     from models import count_parameters, flops_per_token
 
@@ -230,7 +231,6 @@ def _train(cfg: DictConfig, env: DistEnv) -> Dict[str, Any]:
             "data": {"prepared_dir": str(prepared), "next_step": step, "seed": cfg.seed},
             "bytes_cumulative": bytes_cumulative}, t_cfg.keep_last)
 
-    stop = StopSignal()
     peak = peak_flops(env.device)
     tokens_per_step = t_cfg.global_batch_tokens
     dense_bytes = comm.all_reduce_bytes(full_params * 4, env.world_size)
