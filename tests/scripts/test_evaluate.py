@@ -1,0 +1,195 @@
+"""scripts/evaluate.py on a tiny checkpoint, offline: lm-eval's per-request log-likelihoods are
+our model's, the results land beside the checkpoint, and a hub task fails with the offline route.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+import torch
+
+from tests.scripts.tiny_checkpoint import make_tiny_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+
+# One long context (> seq_len=64 tokens) checks the left truncation of over-long inputs.
+LONG_CONTEXT = " ".join(["the sun is hot and the moon is cold"] * 12) + " and the cat sat on the"
+DOCS = [
+    {"question": "the cat sat on the", "choices": ["mat", "park", "moon"], "label": 0},
+    {"question": "a dog ran in the", "choices": ["park", "mat"], "label": 0},
+    {"question": "the sun is hot and the moon is", "choices": ["cold", "hot", "green hills"], "label": 0},
+    {"question": "birds fly over the", "choices": ["water", "green hills"], "label": 1},
+    {"question": LONG_CONTEXT, "choices": ["mat", "park"], "label": 0},
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("eval_ckpt"))
+
+
+def _write_task(folder: Path, name: str, dataset_lines: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.yaml").write_text(dataset_lines + f"""
+task: {name}
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+""")
+
+
+def _offline_env(tmp_path: Path) -> Dict[str, str]:
+    return dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
+                HF_DATASETS_CACHE=str(tmp_path / "hf_datasets"), OMP_NUM_THREADS="1",
+                TOKENIZERS_PARALLELISM="false")
+
+
+def _evaluate_cli(args: List[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/evaluate.py", *args], cwd=REPO,
+                          env=_offline_env(tmp_path), capture_output=True, text=True, timeout=240)
+
+
+def _our_continuation_logprob(model, tokenizer, context: str, continuation: str) -> float:
+    """Unbatched, unpadded: the last seq_len tokens before each continuation token."""
+    context_ids = tokenizer.encode(context, add_special_tokens=False)
+    continuation_ids = tokenizer.encode(continuation, add_special_tokens=False)
+    # The data is chosen so that splitting the text and splitting the ids agree.
+    assert context_ids + continuation_ids == tokenizer.encode(context + continuation, add_special_tokens=False)
+    ids = (context_ids + continuation_ids)[-(model.cfg.seq_len + 1):]
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(torch.tensor([ids[:-1]])).double(), dim=-1)[0]
+    targets = torch.tensor(ids[1:])
+    picked = log_probs[torch.arange(len(targets)), targets]
+    return float(picked[-len(continuation_ids):].sum())
+
+
+@pytest.fixture(scope="module")
+def evaluated(checkpoint: Path, tmp_path_factory) -> Dict[str, object]:
+    """One CLI run on the custom task (each run pays for importing lm-eval in a fresh process)."""
+    tmp_path = tmp_path_factory.mktemp("eval_run")
+    data = tmp_path / "tiny_choice.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+    _write_task(tmp_path / "tasks", "tiny_choice",
+                f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n")
+    before = set(checkpoint.glob("eval-*.json"))
+    proc = _evaluate_cli([f"checkpoint={checkpoint}", "tasks=[tiny_choice]",
+                          f"include_path={tmp_path / 'tasks'}", "batch_size=2", "log_samples=true",
+                          "device=cpu"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {"proc": proc, "written": sorted(set(checkpoint.glob("eval-*.json")) - before)}
+
+
+def test_custom_task_log_likelihoods_are_our_models(checkpoint: Path, evaluated) -> None:
+    from evaluation.checkpoint import load_checkpoint_for_inference
+
+    (results_file,) = evaluated["written"]
+    loaded = load_checkpoint_for_inference(checkpoint, device="cpu")
+    samples_file = results_file.with_name(results_file.stem + "-samples.jsonl")
+    samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
+    assert sorted(s["doc_id"] for s in samples) == list(range(len(DOCS)))
+    correct = 0
+    for sample in samples:
+        doc = DOCS[sample["doc_id"]]
+        ours = []
+        for (context, continuation), response in zip(sample["arguments"], sample["resps"]):
+            assert context == doc["question"] and continuation.strip() in doc["choices"]
+            reported = response[0][0]
+            expected = _our_continuation_logprob(loaded.model, loaded.tokenizer, context, continuation)
+            assert reported == pytest.approx(expected, abs=1e-4), (sample["doc_id"], continuation)
+            ours.append(expected)
+        picked_label = max(range(len(ours)), key=ours.__getitem__) == doc["label"]
+        assert sample["acc"] == float(picked_label)
+        correct += int(picked_label)
+    record = json.loads(results_file.read_text())
+    assert record["metrics"]["eval/tiny_choice/acc"] == pytest.approx(correct / len(DOCS))
+
+
+def test_results_file_sits_next_to_the_checkpoint(checkpoint: Path, evaluated) -> None:
+    (results_file,) = evaluated["written"]
+    assert results_file.parent == checkpoint and results_file.name.startswith("eval-")
+    record = json.loads(results_file.read_text())
+    assert record["step"] == 60 and record["run_name"] == "tiny_eval"
+    assert record["n-samples"]["tiny_choice"]["effective"] == len(DOCS)
+    assert set(record["metrics"]) == {"eval/tiny_choice/acc", "eval/tiny_choice/acc_stderr"}
+    assert record["eval_config"]["batch_size"] == 2
+    summary = json.loads(evaluated["proc"].stdout.strip().splitlines()[-1])
+    assert summary["results"] == str(results_file) and summary["wandb"] is None  # the run logged none
+
+
+def test_hub_task_offline_fails_naming_the_offline_route(checkpoint: Path, tmp_path: Path) -> None:
+    # PIQA's own hub dataset, as lm-eval's built-in piqa task loads it (without indexing the
+    # ~15k built-in task files, which alone takes longer than this whole file).
+    _write_task(tmp_path / "tasks", "hub_piqa", "dataset_path: baber/piqa\nvalidation_split: validation\n")
+    proc = _evaluate_cli([f"checkpoint={checkpoint}", "tasks=hub_piqa", "device=cpu",
+                          f"include_path={tmp_path / 'tasks'}"], tmp_path)
+    assert proc.returncode == 2
+    message = proc.stderr.strip().splitlines()[-1]
+    assert message.startswith("error: ") and "hub_piqa" in message and "baber/piqa" in message
+    assert "include_path=" in message and "dataset_path: json" in message  # route 1: a custom task
+    assert "HF_DATASETS_OFFLINE=1" in message  # route 2: a pre-filled cache
+    assert "Traceback" not in proc.stderr
+    assert not list(checkpoint.glob("eval-*hub*"))
+
+
+@pytest.mark.slow
+def test_builtin_hub_task_offline_fails_naming_the_offline_route(checkpoint: Path, tmp_path: Path) -> None:
+    proc = _evaluate_cli([f"checkpoint={checkpoint}", "tasks=piqa", "device=cpu"], tmp_path)
+    assert proc.returncode == 2
+    assert "Offline routes" in proc.stderr and "include_path=" in proc.stderr
+
+
+def test_presets_expand_and_metrics_flatten() -> None:
+    from evaluation.harness import downstream_metrics, expand_task_names
+
+    paper = expand_task_names("paper")
+    assert paper[:5] == ["lambada_openai", "piqa", "arc_easy", "arc_challenge", "hellaswag"]
+    assert {"boolq", "cb", "copa", "multirc", "record", "sglue_rte", "wic", "wsc", "mmlu"} <= set(paper)
+    assert expand_task_names("piqa, superglue,boolq")[:3] == ["piqa", "boolq", "cb"]
+    assert len(expand_task_names("paper,superglue")) == len(paper)
+    results = {"results": {"lambada_openai": {"alias": "lambada_openai", "perplexity,none": 12.5,
+                                              "acc,none": 0.25, "acc_stderr,none": "N/A"},
+                           "gsm8k": {"exact_match,strict-match": 0.5}}}
+    assert downstream_metrics(results) == {"eval/lambada_openai/perplexity": 12.5,
+                                           "eval/lambada_openai/acc": 0.25,
+                                           "eval/gsm8k/exact_match_strict-match": 0.5}
+
+
+def test_in_loop_evaluation_leaves_training_state_alone(checkpoint: Path, tmp_path: Path,
+                                                         monkeypatch) -> None:
+    import random
+
+    import numpy as np
+
+    from evaluation.checkpoint import load_checkpoint_for_inference
+    from evaluation.in_loop import downstream_eval_metrics
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    data = tmp_path / "loop.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in DOCS[:4]))
+    _write_task(tmp_path / "tasks", "tiny_loop",
+                f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+                f"  cache_dir: {tmp_path / 'hf_datasets'}\ntest_split: test\n")
+    loaded = load_checkpoint_for_inference(checkpoint, device="cpu")
+    model = loaded.model.train()
+    torch.manual_seed(99), random.seed(99), np.random.seed(99)
+    expected_draws = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(99), random.seed(99), np.random.seed(99)
+    metrics = downstream_eval_metrics(model, loaded.tokenizer, "tiny_loop", limit=3,
+                                      include_path=str(tmp_path / "tasks"))
+    assert torch.equal(torch.rand(3), expected_draws[0])
+    assert (random.random(), np.random.rand()) == expected_draws[1:]
+    assert model.training
+    ours = [max(range(len(d["choices"])), key=lambda c: _our_continuation_logprob(
+        model, loaded.tokenizer, d["question"], " " + d["choices"][c])) == d["label"] for d in DOCS[:3]]
+    assert metrics["eval/tiny_loop/acc"] == pytest.approx(sum(ours) / 3)  # the first 3 documents
