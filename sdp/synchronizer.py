@@ -169,7 +169,7 @@ class SubnetworkSynchronizer(GradientSynchronizer):
                 if len(same) == len(pieces):
                     merged = LocalPiece(same[0].component, None, None, tensor.numel())
                 else:
-                    positions = torch.cat([p.positions for p in same]).sort().values
+                    positions = torch.cat([p.positions for p in same]).sort().values.to(self.device)
                     merged = LocalPiece(same[0].component, same[0].dim, positions, sum(p.numel for p in same))
                 by_set.setdefault(ranks, []).append((tensor, merged))
         buckets = []
@@ -199,7 +199,9 @@ class SubnetworkSynchronizer(GradientSynchronizer):
             if len(ranks) == self.world:
                 continue
             source = ranks[j % len(ranks)]
-            by_source.setdefault(source, []).extend(self.layout.full_entries(j))
+            by_source.setdefault(source, []).extend(
+                FullEntry(e.name, e.dim, None if e.indices is None else e.indices.to(self.device))
+                for e in self.layout.full_entries(j))
         return sorted(by_source.items())
 
     # ------------------------------------------------------------------ every step
@@ -289,7 +291,7 @@ class SubnetworkSynchronizer(GradientSynchronizer):
             offset = 0
             if self.rank == source:
                 for e, n in zip(entries, sizes):
-                    part = full[e.name] if e.dim is None else full[e.name].index_select(e.dim, e.indices.to(self.device))
+                    part = full[e.name] if e.dim is None else full[e.name].index_select(e.dim, e.indices)
                     buffer[offset:offset + n].copy_(part.reshape(-1))
                     offset += n
             comm.broadcast(buffer, src=source, kind="sdp_refresh")
@@ -301,7 +303,7 @@ class SubnetworkSynchronizer(GradientSynchronizer):
                     else:
                         shape = list(target.shape)
                         shape[e.dim] = len(e.indices)
-                        target.index_copy_(e.dim, e.indices.to(self.device), buffer[offset:offset + n].view(shape))
+                        target.index_copy_(e.dim, e.indices, buffer[offset:offset + n].view(shape))
                     offset += n
 
     @staticmethod
