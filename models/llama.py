@@ -25,6 +25,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op (the residual stream is fp32 under autocast)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalise in fp32 and scale in the input dtype, as Llama's reference does.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
         return self.weight * normed

@@ -1,0 +1,58 @@
+"""The chunked LM-head cross-entropy equals the plain head + F.cross_entropy, values and grads."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import models.common as common
+from models.common import linear_cross_entropy
+
+
+def _reference(hidden, weight, targets):
+    return F.cross_entropy(F.linear(hidden, weight).float(), targets, ignore_index=-1)
+
+
+@pytest.mark.parametrize("chunk_rows", [7, 16, 1000])
+def test_matches_plain_cross_entropy_across_chunk_boundaries(monkeypatch, chunk_rows: int) -> None:
+    monkeypatch.setattr(common, "_chunk_rows", lambda vocab, device: chunk_rows)
+    torch.manual_seed(0)
+    hidden = torch.randn(45, 32, requires_grad=True)
+    weight = torch.randn(100, 32, requires_grad=True)
+    targets = torch.randint(0, 100, (45,))
+    targets[[0, 8, 44]] = -1
+    loss = linear_cross_entropy(hidden, weight, targets)
+    (2.5 * loss).backward()  # a non-unit incoming gradient must scale both grads
+    got = (loss.detach(), hidden.grad.clone(), weight.grad.clone())
+    hidden.grad = weight.grad = None
+    expected = _reference(hidden, weight, targets)
+    (2.5 * expected).backward()
+    torch.testing.assert_close(got[0], expected.detach(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got[1], hidden.grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got[2], weight.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_without_grad_and_all_ignored() -> None:
+    hidden, weight = torch.randn(10, 8), torch.randn(20, 8)
+    targets = torch.randint(0, 20, (10,))
+    with torch.no_grad():
+        torch.testing.assert_close(linear_cross_entropy(hidden, weight, targets),
+                                   _reference(hidden, weight, targets))
+    assert torch.isnan(linear_cross_entropy(hidden, weight, torch.full((10,), -1)))
+
+
+def test_bf16_autocast_uses_bf16_matmuls_and_fp32_loss() -> None:
+    torch.manual_seed(1)
+    hidden = torch.randn(64, 32, requires_grad=True)
+    weight = torch.randn(50, 32, requires_grad=True)
+    targets = torch.randint(0, 50, (64,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(hidden, weight, targets)
+        expected = _reference(hidden, weight, targets)
+    assert loss.dtype == torch.float32
+    loss.backward()
+    assert hidden.grad.dtype == torch.float32 and weight.grad.dtype == torch.float32
+    # bf16 logits: equal to the autocast reference to bf16 precision, not to the fp32 loss.
+    torch.testing.assert_close(loss, expected, atol=2e-2, rtol=0)
+    fp32 = _reference(hidden, weight, targets)
+    assert (loss - fp32).abs() > 0
