@@ -17,7 +17,7 @@ class ModelConfig:
     n_head: int = 4
     n_kv_head: Optional[int] = None  # llama only; None = n_head (no grouped-query attention)
     d_model: int = 256
-    ffn_hidden: Optional[int] = None  # llama: SwiGLU width; gpt: MLP width (None = 4 * d_model)
+    ffn_hidden: Optional[int] = None  # llama: SwiGLU width (None = 8/3 d rounded up to 256); gpt: MLP width (None = 4 d)
     vocab_size: int = 8192  # embedding rows (may be padded above the tokenizer's vocabulary)
     seq_len: int = 256
     rope_theta: float = 10000.0  # llama only
