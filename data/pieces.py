@@ -24,17 +24,21 @@ _worker_dtype: Optional[np.dtype] = None
 def _exit_when_orphaned(parent_pid: int) -> None:
     """A prepare killed with SIGKILL cannot stop its pool; without this its workers would wait
     on the task queue forever (and hold the parent's stdout open)."""
-    while True:
+    while os.getppid() == parent_pid:
         time.sleep(0.5)
-        if os.getppid() != parent_pid:
-            os._exit(1)
+    os._exit(1)
 
 
-def init_worker(tokenizer_file: str, eos_id: int, dtype: str, watch_parent: bool = True) -> None:
-    """Load the tokenizer once per process instead of once per piece."""
+def init_worker(tokenizer_file: str, eos_id: int, dtype: str, parent_pid: Optional[int] = None) -> None:
+    """Load the tokenizer once per process instead of once per piece.
+
+    ``parent_pid`` is the pid of the process that made the pool, passed in rather than read
+    here: a worker still starting up when its parent is killed would read its new parent's pid
+    and never notice.
+    """
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
-    if watch_parent:
-        threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    if parent_pid is not None:
+        threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
     from tokenizers import Tokenizer
 
     global _worker_tokenizer, _worker_eos_id, _worker_dtype

@@ -172,7 +172,7 @@ class _PieceRunner:
         if self.num_proc > 1 and self.pool is None and len(self.waiting) >= 2:
             self.pool = futures.ProcessPoolExecutor(
                 self.num_proc, mp_context=multiprocessing.get_context("spawn"),
-                initializer=init_worker, initargs=self.init_args)
+                initializer=init_worker, initargs=(*self.init_args, os.getpid()))
         if self.pool is not None:
             while self.waiting:
                 if len(self.running) >= 2 * self.num_proc:  # bound memory held by queued text
@@ -197,7 +197,7 @@ class _PieceRunner:
     def finish(self) -> None:
         if self.pool is None:
             if self.waiting:
-                init_worker(*self.init_args, watch_parent=False)
+                init_worker(*self.init_args)
             for args in self.waiting:
                 self._record(tokenize_piece(*args))
             self.waiting = []

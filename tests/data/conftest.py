@@ -70,26 +70,50 @@ def folder_snapshot(folder: pathlib.Path):
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def _prepare_then_get_killed(data_cfg, tok_cfg, kill_at: str) -> None:
+def _prepare_then_get_killed(data_cfg, tok_cfg, kill_at: str, marker: str) -> None:
     import os
 
     os.environ["DATA_PREPARE_KILL_AT"] = kill_at
+    os.environ["DATA_TEST_PROCESS_MARKER"] = marker  # inherited by the tokenizer workers
     from data import prepare
     prepare(data_cfg, tok_cfg)
+
+
+def processes_with_marker(marker: str) -> List[int]:
+    import os
+
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"DATA_TEST_PROCESS_MARKER={marker}".encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
 
 
 def prepare_killed_at(data_cfg, tok_cfg, kill_at: str, timeout: float = 60.0) -> int:
     """Run prepare in a forked child that SIGKILLs itself at ``kill_at`` (piece:N or shard:N).
 
-    Forking skips the seconds of imports a fresh interpreter would pay; returns the exit code.
+    Forking skips the seconds of imports a fresh interpreter would pay. Returns the exit code
+    once the child's tokenizer workers (orphaned by the kill) have exited too.
     """
     import multiprocessing
+    import time
+    import uuid
 
+    marker = uuid.uuid4().hex
     child = multiprocessing.get_context("fork").Process(target=_prepare_then_get_killed,
-                                                        args=(data_cfg, tok_cfg, kill_at))
+                                                        args=(data_cfg, tok_cfg, kill_at, marker))
     child.start()
     child.join(timeout)
     if child.is_alive():
         child.kill()
         child.join()
+    deadline = time.monotonic() + timeout
+    while processes_with_marker(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    orphans = processes_with_marker(marker)
+    assert not orphans, f"tokenizer workers {orphans} outlived their killed parent"
     return child.exitcode
