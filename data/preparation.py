@@ -18,7 +18,9 @@ Also a command (data/prepare.py): ``python -m data.prepare data=embedded tokeniz
 from __future__ import annotations
 
 import concurrent.futures as futures
+import contextlib
 import dataclasses
+import json
 import multiprocessing
 import os
 import pathlib
@@ -26,7 +28,7 @@ import shutil
 import signal
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 
@@ -254,7 +256,6 @@ def _assemble_split(folder: pathlib.Path, work_dir: pathlib.Path, split: str, nu
         shards_written[0] += 1
         _simulated_kill("shard", shards_written[0])
 
-    import json
     for index in range(num_pieces):
         tokens_path, meta_path = piece_paths(work_dir, split, index)
         meta = json.loads(meta_path.read_text())
@@ -272,52 +273,101 @@ def _assemble_split(folder: pathlib.Path, work_dir: pathlib.Path, split: str, nu
             "replacement_characters": replacement_characters, "shards": shards}
 
 
-def prepare(data_cfg: DataConfig, tok_cfg: TokenizerConfig) -> pathlib.Path:
-    """Tokenize once; later calls verify the manifest and return at once."""
-    from tqdm.auto import tqdm
+@contextlib.contextmanager
+def _exclusive(folder: pathlib.Path) -> Iterator[None]:
+    """One prepare per folder at a time (two runs started together on a fresh cache_dir).
 
+    The lock file sits beside the folder, so deleting the folder never races with it. Where
+    fcntl is missing (Windows) there is no lock.
+    """
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "a") as handle:
+        try:
+            import fcntl
+        except ImportError:
+            yield
+            return
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"[data] waiting for another prepare of {folder} to finish", file=sys.stderr)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _reuse(folder: pathlib.Path, data_id: Dict[str, Any], tok_id: Dict[str, Any],
+           tok_cfg: TokenizerConfig, checksums: bool) -> pathlib.Path:
+    manifest = read_manifest(folder)
+    _check_identity(folder, manifest, data_id, tok_id)
+    _check_local_tokenizer_unchanged(folder, tok_cfg, manifest["tokenizer_sha256"])
+    verify_shards(folder, manifest, checksums=checksums)
+    return folder
+
+
+def _refuse_other_tokenizer(folder: pathlib.Path, tokenizer) -> None:
+    from .tokenizer import load_tokenizer
+
+    if (folder / "tokenizer.json").is_file() and \
+            tokenizer_fingerprint(load_tokenizer(folder)) != tokenizer_fingerprint(tokenizer):
+        raise TokenizerMismatchError(
+            f"{folder} holds shards of a different tokenizer (its tokenizer.json differs from the "
+            f"one configured now). Nothing was overwritten. Give this tokenizer its own name "
+            f"(tokenizer.name=...) or delete {folder} to rebuild it")
+
+
+def prepare(data_cfg: DataConfig, tok_cfg: TokenizerConfig) -> pathlib.Path:
+    """Tokenize once; later calls verify the manifest and return at once.
+
+    Everything that can be wrong with the input (paths, fields, an empty corpus, the tokenizer,
+    the token dtype) is checked before the first byte is written.
+    """
     data_cfg, tok_cfg = _coerce(data_cfg, DataConfig), _coerce(tok_cfg, TokenizerConfig)
     if data_cfg.shard_tokens < 1 or data_cfg.documents_per_piece < 1:
         raise DataPipelineError("data.shard_tokens and data.documents_per_piece must be positive")
     folder = prepared_dir_for(data_cfg, tok_cfg)
-    work_dir = folder / ".work"
     data_id, tok_id = data_identity(data_cfg), tokenizer_identity(tok_cfg)
-
     if (folder / MANIFEST_NAME).is_file():
-        manifest = read_manifest(folder)
-        _check_identity(folder, manifest, data_id, tok_id)
-        _check_local_tokenizer_unchanged(folder, tok_cfg, manifest["tokenizer_sha256"])
-        verify_shards(folder, manifest, checksums=data_cfg.verify_checksums)
-        return folder
+        return _reuse(folder, data_id, tok_id, tok_cfg, data_cfg.verify_checksums)
 
-    state_path = work_dir / "state.json"
-    resuming = state_path.is_file() and (folder / "tokenizer.json").is_file()
-    if resuming:
-        import json
+    state_path = folder / ".work" / "state.json"
+    if state_path.is_file() and (folder / "tokenizer.json").is_file():
         _check_identity(folder, json.loads(state_path.read_text()), data_id, tok_id)
         from .tokenizer import load_tokenizer
         tokenizer = load_tokenizer(folder)
-        print(f"[data] resuming the unfinished prepare in {folder}", file=sys.stderr)
     else:
         _probe_source(data_cfg)
         tokenizer = _build_tokenizer(data_cfg, tok_cfg)
-        if (folder / "tokenizer.json").is_file():
-            from .tokenizer import load_tokenizer
-            previous = tokenizer_fingerprint(load_tokenizer(folder))
-            if previous != tokenizer_fingerprint(tokenizer):
-                raise TokenizerMismatchError(
-                    f"{folder} holds shards of a different tokenizer (its tokenizer.json differs "
-                    f"from the one configured now). Nothing was overwritten. Give this tokenizer "
-                    f"its own name (tokenizer.name=...) or delete {folder} to rebuild it")
-    vocab_size = len(tokenizer)
-    dtype = token_dtype(vocab_size, data_cfg.token_dtype)
-    eos_id = tokenizer.eos_token_id
+        _refuse_other_tokenizer(folder, tokenizer)
+    dtype = token_dtype(len(tokenizer), data_cfg.token_dtype)
 
-    work_dir.mkdir(parents=True, exist_ok=True)
-    if not resuming:
-        save_tokenizer(tokenizer, folder)
-        atomic_write_json(state_path, {"data": data_id, "tokenizer": tok_id})
+    with _exclusive(folder):
+        if (folder / MANIFEST_NAME).is_file():  # a concurrent prepare finished it meanwhile
+            return _reuse(folder, data_id, tok_id, tok_cfg, data_cfg.verify_checksums)
+        if state_path.is_file():  # started by a run that was killed (or just finished tokenizing)
+            _check_identity(folder, json.loads(state_path.read_text()), data_id, tok_id)
+            _refuse_other_tokenizer(folder, tokenizer)
+            print(f"[data] resuming the unfinished prepare in {folder}", file=sys.stderr)
+        else:
+            state_path.parent.mkdir(parents=True, exist_ok=True)
+            save_tokenizer(tokenizer, folder)
+            atomic_write_json(state_path, {"data": data_id, "tokenizer": tok_id})
+        try:
+            return _tokenize_and_write(folder, data_cfg, tok_cfg, tokenizer, dtype, data_id, tok_id)
+        except EmptyCorpusError:
+            shutil.rmtree(folder, ignore_errors=True)  # nothing in it is worth keeping
+            raise
 
+
+def _tokenize_and_write(folder: pathlib.Path, data_cfg: DataConfig, tok_cfg: TokenizerConfig,
+                        tokenizer, dtype: np.dtype, data_id: Dict[str, Any],
+                        tok_id: Dict[str, Any]) -> pathlib.Path:
+    from tqdm.auto import tqdm
+
+    work_dir = folder / ".work"
+    vocab_size, eos_id = len(tokenizer), tokenizer.eos_token_id
     started = time.perf_counter()
     with tqdm(desc=f"tokenizing {data_cfg.name}", unit="doc", mininterval=1.0, file=sys.stderr) as bar:
         runner = _PieceRunner(work_dir, folder / "tokenizer.json", eos_id, dtype, data_cfg.num_proc, bar)

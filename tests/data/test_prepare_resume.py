@@ -84,3 +84,38 @@ def test_resume_with_a_changed_tokenizer_is_refused(tmp_path, jsonl_corpus):
     with pytest.raises(TokenizerMismatchError, match="Nothing was overwritten"):
         prepare(local_config(tmp_path, [jsonl_corpus], cache_dir=str(cache)), small_bpe(vocab_size=280))
     assert folder_snapshot(folder) == before
+
+
+def _prepare_in_child(data_cfg, tok_cfg, results) -> None:
+    from data import prepare
+    from data.shards import read_manifest
+
+    folder = prepare(data_cfg, tok_cfg)
+    results.put(read_manifest(folder)["splits"])
+
+
+def test_two_prepares_of_one_folder_at_once_agree(tmp_path, jsonl_corpus):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    cfg = local_config(tmp_path, [jsonl_corpus], shard_tokens=900)
+    children = [ctx.Process(target=_prepare_in_child, args=(cfg, small_bpe(), results)) for _ in range(2)]
+    for child in children:
+        child.start()
+    splits = [results.get(timeout=120) for _ in children]
+    for child in children:
+        child.join(30)
+    assert [child.exitcode for child in children] == [0, 0]
+    assert splits[0] == splits[1] == read_manifest(prepare(cfg, small_bpe()))["splits"]
+
+
+def test_a_corpus_without_validation_documents_is_refused_and_leaves_nothing(tmp_path):
+    from data.errors import EmptyCorpusError
+    from .conftest import make_documents, write_jsonl
+
+    corpus = write_jsonl(tmp_path / "three.jsonl", make_documents(3))
+    cfg = local_config(tmp_path, [corpus], val_fraction=0.001)
+    with pytest.raises(EmptyCorpusError, match="no validation document.*raise data.val_fraction"):
+        prepare(cfg, small_bpe())
+    assert not (tmp_path / "cache" / "testcorpus-bpe_small").exists()
