@@ -66,3 +66,12 @@ def test_existing_run_is_not_overwritten(tmp_path, prepared_cache):
     proc = train_cli(_args(tmp_path, prepared_cache, "run_name=r", "train.steps=2"))
     assert proc.returncode == 2 and "resume=auto" in proc.stderr
     assert (tmp_path / "r" / "metrics.jsonl").read_text() == before
+
+
+def test_activation_checkpointing_gives_the_same_losses(tmp_path, prepared_cache):
+    common = _args(tmp_path, prepared_cache, "train.steps=3")
+    check(train_cli([*common, "run_name=plain"]))
+    check(train_cli([*common, "run_name=ckpt", "train.activation_checkpointing=true"]))
+    plain, recomputed = train_losses(tmp_path / "plain"), train_losses(tmp_path / "ckpt")
+    assert plain.keys() == recomputed.keys() == {1, 2, 3}
+    assert all(abs(plain[s] - recomputed[s]) <= 1e-6 for s in plain)
