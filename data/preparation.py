@@ -7,6 +7,7 @@ Layout of ``<cache_dir>/<data.name>-<tokenizer.name>/``::
     train-00000.bin ...    raw uint16/uint32 token ids, an EOS after every document
     val-00000.bin ...
     .work/                 only while preparing: state.json and finished pieces
+    (and ``<cache_dir>/.<folder>.lock``: two prepares of one folder run one after the other)
 
 Resume after a kill works at piece granularity: a piece is a fixed run of consecutive
 documents of one split, its tokens are a pure function of those documents and the saved
