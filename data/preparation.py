@@ -328,6 +328,10 @@ def prepare(data_cfg: DataConfig, tok_cfg: TokenizerConfig) -> pathlib.Path:
     data_cfg, tok_cfg = _coerce(data_cfg, DataConfig), _coerce(tok_cfg, TokenizerConfig)
     if data_cfg.shard_tokens < 1 or data_cfg.documents_per_piece < 1:
         raise DataPipelineError("data.shard_tokens and data.documents_per_piece must be positive")
+    if tok_cfg.kind == "bpe_local" and tok_cfg.path:
+        raise DataPipelineError(
+            f"tokenizer.path={tok_cfg.path} is set but tokenizer.kind=bpe_local trains a new tokenizer "
+            f"and ignores it; to use that tokenizer, pass tokenizer=local tokenizer.path={tok_cfg.path}")
     folder = prepared_dir_for(data_cfg, tok_cfg)
     data_id, tok_id = data_identity(data_cfg), tokenizer_identity(tok_cfg)
     if (folder / MANIFEST_NAME).is_file():

@@ -57,6 +57,9 @@ def test_wrong_text_field_names_the_fields_there_are(tmp_path, capsys):
 def test_unknown_key_and_unknown_group_option(tmp_path, capsys):
     _fails(capsys, _cli(tmp_path, "data.no_such_key=1"), "no_such_key")
     _fails(capsys, ["data=no_such_corpus", f"data.cache_dir={tmp_path}"], "no_such_corpus")
+    # A tokenizer path with the default kind would be silently ignored by bpe_local training.
+    _fails(capsys, _cli(tmp_path, "tokenizer.path=/some/tokenizer.json"), "tokenizer=local tokenizer.path=")
+    assert not (tmp_path / "cache").exists()
 
 
 def test_non_utf8_bytes_are_replaced_and_counted(tmp_path):
