@@ -79,6 +79,9 @@ def to_hf_config(cfg: ModelConfig):
             layer_norm_epsilon=cfg.norm_eps, initializer_range=cfg.init_std,
             tie_word_embeddings=cfg.tie_embeddings, scale_attn_weights=True,
             scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
+            # GPT-2's <|endoftext|> is 50256; smaller vocabularies have no such token.
+            bos_token_id=50256 if cfg.vocab_size > 50256 else None,
+            eos_token_id=50256 if cfg.vocab_size > 50256 else None,
             architectures=["GPT2LMHeadModel"])
     raise ValueError(f"model.family={cfg.family!r}: expected llama or gpt")
 
