@@ -273,14 +273,34 @@ def _resolve_tokenizer_path(path: str, checkpoint_dir: str) -> Optional[str]:
     return None
 
 
-def _save_tokenizer(tokenizer_path: str, out_dir: str) -> None:
+_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+
+
+def _save_tokenizer(tokenizer_path: str, out_dir: str) -> Optional[int]:
+    """Save the run's tokenizer as an HF tokenizer folder; returns its EOS id when known.
+
+    A bare tokenizer.json carries no notion of EOS, so it is taken from the data pipeline's
+    manifest.json beside it, else from the usual EOS spellings in the vocabulary.
+    """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     if os.path.isdir(tokenizer_path):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     else:
         tokenizer = PreTrainedTokenizerFast(tokenizer_file=tokenizer_path)
+        manifest_path = os.path.join(os.path.dirname(tokenizer_path), "manifest.json")
+        candidates = list(_EOS_CANDIDATES)
+        if os.path.exists(manifest_path):
+            with open(manifest_path) as f:
+                eos = json.load(f).get("eos_token")
+            if eos:
+                candidates.insert(0, eos)
+        vocab = tokenizer.get_vocab()
+        eos = next((token for token in candidates if token in vocab), None)
+        if eos is not None:
+            tokenizer.eos_token = eos
     tokenizer.save_pretrained(out_dir)
+    return tokenizer.eos_token_id
 
 
 def export_checkpoint(checkpoint_dir: str, out_dir: str, dtype: Optional[torch.dtype] = None) -> str:
@@ -293,8 +313,6 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, dtype: Optional[torch.d
     hf_config = to_hf_config(cfg)
     if dtype is not None:
         hf_config.dtype = dtype
-    hf_config.save_pretrained(out_dir)
-    save_file(hf_state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     tokenizer_written = ""
     if meta.get("tokenizer_path"):
         tokenizer_path = _resolve_tokenizer_path(meta["tokenizer_path"], checkpoint_dir)
@@ -302,8 +320,12 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, dtype: Optional[torch.d
             print(f"warning: tokenizer {meta['tokenizer_path']!r} not found; exported without it",
                   file=sys.stderr)
         else:
-            _save_tokenizer(tokenizer_path, out_dir)
+            eos_id = _save_tokenizer(tokenizer_path, out_dir)
+            if eos_id is not None:
+                hf_config.eos_token_id = eos_id
             tokenizer_written = tokenizer_path
+    hf_config.save_pretrained(out_dir)
+    save_file(hf_state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     return tokenizer_written
 
 

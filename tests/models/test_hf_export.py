@@ -32,7 +32,7 @@ def _fake_checkpoint(run_dir: str, family: str, tokenizer_path: str | None) -> t
 def _tiny_tokenizer(path: str) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {"<unk>": 0, "hello": 1, "world": 2}
+    vocab = {"<unk>": 0, "hello": 1, "world": 2, "<|endoftext|>": 3}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.save(path)
@@ -55,6 +55,7 @@ def test_export_load_import_round_trip(tmp_path, family: str) -> None:
         torch.testing.assert_close(hf_model(input_ids=idx).logits, model(idx), atol=1e-5, rtol=0)
     tokenizer = AutoTokenizer.from_pretrained(out_dir)
     assert tokenizer("hello world")["input_ids"] == [1, 2]
+    assert tokenizer.eos_token == "<|endoftext|>" and hf_model.config.eos_token_id == 3
 
     imported, imported_cfg = import_hf(out_dir)
     assert (imported_cfg.family, imported_cfg.n_layer, imported_cfg.d_model) == (family, 2, 64)
