@@ -245,7 +245,9 @@ def collect(study_runs: Path, arm_records: Dict[str, dict]) -> Dict[str, dict]:
         if (run_dir / "summary.json").is_file():
             summary = json.loads((run_dir / "summary.json").read_text())
             if name not in arm_records and (run_dir / "study_arm.json").is_file():
-                record.update(json.loads((run_dir / "study_arm.json").read_text()).get("run", {}))
+                launched = json.loads((run_dir / "study_arm.json").read_text())
+                record["command"] = shlex.join(["torchrun", *launched["command"][2:]])
+                record.update(launched.get("run", {}))
             record["summary"] = {k: summary.get(k) for k in (
                 "state", "step", "steps_total", "final_val_loss", "best_val_loss", "bytes_sent_per_rank",
                 "dense_bytes_per_rank", "parameters", "wall_time_s", "skipped_steps")}
