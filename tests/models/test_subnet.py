@@ -125,6 +125,10 @@ def test_invalid_specs_fail_clearly_and_json_keys_are_accepted() -> None:
         build_model(cfg, SubnetSpec(mlp_units={1: [4, 4]}))
     spec = SubnetSpec(blocks=[2, 0], heads={"1": [3, 1]})  # as read back from a JSON plan
     assert spec.blocks == [0, 2] and spec.heads == {1: [1, 3]}
+    # Coverage 1: listing everything explicitly is still the full model.
+    assert SubnetSpec().is_full(cfg)
+    assert SubnetSpec(blocks=[0, 1, 2], heads={0: [0, 1, 2, 3]}, mlp_units={1: list(range(96))}).is_full(cfg)
+    assert not spec.is_full(cfg) and not SubnetSpec(mlp_units={0: [0]}).is_full(cfg)
 
 
 def test_subnetwork_is_built_at_its_own_size_and_counts_its_flops() -> None:
