@@ -5,11 +5,14 @@ step count; everything else (plan, layout, synchroniser) is reached through thos
 """
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import TYPE_CHECKING, Any, Tuple
 
 import torch
 
 from sdp.config import SDPConfig
+
+if TYPE_CHECKING:  # the synchroniser imports the trainer; keep `import sdp` light
+    from sdp.synchronizer import SubnetworkSynchronizer
 
 __all__ = ["SDPConfig", "build_synchronizer", "step_budget"]
 
@@ -72,11 +75,3 @@ def build_synchronizer(model_cfg: Any, sdp_cfg: Any, opt_cfg: Any, world_size: i
               f"{len(set(plan.holder_sets()))} holder sets; rank 0 holds {sync.held_numel:,} of "
               f"{sync.full_numel:,} parameters", flush=True)
     return model, sync
-
-
-def __getattr__(name: str):  # the synchroniser's type for annotations without an import cycle
-    if name == "SubnetworkSynchronizer":
-        from sdp.synchronizer import SubnetworkSynchronizer
-
-        return SubnetworkSynchronizer
-    raise AttributeError(name)
