@@ -17,7 +17,7 @@ construction: every rank applies the same ghat to it. The residual is the only p
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist

@@ -63,7 +63,7 @@ def _replicas_conservation_k(rank: int, world: int) -> None:
                 assert torch.equal(first, second), f"{name} differ at step {step}: {overrides}"
             assert sync.step_count == step
 
-        train(model, sync, 7, rank, max_norm=0.0, before_reduce=before, hook=check_reduce,
+        train(model, sync, 5, rank, max_norm=0.0, before_reduce=before, hook=check_reduce,
               after=check_replicas)
         residual = sync.residual.cpu_copy()
         dist.all_reduce(residual)
@@ -71,8 +71,7 @@ def _replicas_conservation_k(rank: int, world: int) -> None:
         torch.testing.assert_close(seen["sent"] + residual, seen["contrib"], rtol=0, atol=1e-6,
                                    msg=str(overrides))
         if overrides.get("sparsity_warmup_steps"):
-            assert [sync.k_at(t) for t in (3, 4, 9)] == sorted({sync.k_at(t) for t in (3, 4, 9)},
-                                                                reverse=True)[:2] + [sync.k_at(4)]
+            assert sync.k_at(3) > sync.k_at(4) == sync.k_at(9)  # warm-up ends at step 4
 
 
 def test_replicas_identical_conservation_and_k_per_partition():

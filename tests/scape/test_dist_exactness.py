@@ -1,6 +1,4 @@
-"""2 gloo ranks: density 1 equals dense AdamS; identical data equals one rank."""
-import math
-
+"""2 gloo ranks: SCAPE at density 1 equals dense AdamS with all-reduced gradients."""
 import torch
 
 from scape.adams import AdamS
@@ -8,12 +6,6 @@ from scape.synchronizer import ScapeSynchronizer
 from tests.dist_helpers import run_distributed
 from tests.scape.helpers import make_model, scape_config, train
 from trainer.grad_sync import DenseAllReduce, param_groups
-
-
-def _gathered(tensor: torch.Tensor, world: int):
-    parts = [torch.empty_like(tensor) for _ in range(world)]
-    dist.all_gather(parts, tensor.contiguous())
-    return parts
 
 
 def _sparsity_zero_equals_dense_adams(rank: int, world: int) -> None:
@@ -35,30 +27,3 @@ def _sparsity_zero_equals_dense_adams(rank: int, world: int) -> None:
 
 def test_sparsity_zero_equals_dense_adams_with_allreduced_gradients():
     run_distributed(_sparsity_zero_equals_dense_adams, world_size=2)
-
-
-def _identical_data(rank: int, world: int, out: str) -> None:
-    model = make_model()
-    sync = ScapeSynchronizer(model, scape_config(sparsity=0.9))
-    losses = train(model, sync, 6, rank=0, accum=1)  # every rank reads rank 0's data
-    if rank == 0:
-        torch.save({"params": sync.flat.data.clone(), "losses": losses}, out)
-
-
-def test_identical_data_on_both_ranks_equals_single_rank(tmp_path):
-    out = str(tmp_path / "two_ranks.pt")
-    run_distributed(_identical_data, world_size=2, args=(out,))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the workers: the same summation order in the matmuls
-    try:
-        model = make_model()
-        sync = ScapeSynchronizer(model, scape_config(sparsity=0.9), num_partitions=2)
-        losses = train(model, sync, 6, rank=0, accum=1)
-    finally:
-        torch.set_num_threads(threads)
-    two = torch.load(out)
-    for a, b in zip(losses, two["losses"]):
-        assert math.isclose(a, b, rel_tol=0, abs_tol=1e-6), (losses, two["losses"])
-    torch.testing.assert_close(sync.flat.data, two["params"], rtol=0, atol=1e-6)
-
-
