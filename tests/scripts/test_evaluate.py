@@ -26,6 +26,10 @@ DOCS = [
     {"question": "birds fly over the", "choices": ["water", "green hills"], "label": 1},
     {"question": LONG_CONTEXT, "choices": ["mat", "park"], "label": 0},
 ]
+GENERATION_DOCS = [{"question": "the cat sat on the"}, {"question": "a dog"}, {"question": "birds fly"}]
+GENERATION_STOP = "park"
+ROLLING_DOCS = [{"text": "the sun is hot and the moon is cold"},
+                {"text": " ".join(["we drink water when we are thirsty"] * 12)}]  # > 64 tokens
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -54,6 +58,47 @@ metric_list:
   - metric: acc
     aggregation: mean
     higher_is_better: true
+""")
+
+
+def _write_generation_and_rolling_tasks(folder: Path) -> None:
+    generation = folder / "tiny_gen.jsonl"
+    generation.write_text("".join(json.dumps(d) + "\n" for d in GENERATION_DOCS))
+    (folder / "tiny_gen.yaml").write_text(f"""
+task: tiny_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {generation}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: " mat"
+generation_kwargs:
+  until: ["{GENERATION_STOP}"]
+  max_gen_toks: 8
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+""")
+    rolling = folder / "tiny_rolling.jsonl"
+    rolling.write_text("".join(json.dumps(d) + "\n" for d in ROLLING_DOCS))
+    (folder / "tiny_rolling.yaml").write_text(f"""
+task: tiny_rolling
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {rolling}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: byte_perplexity
+  - metric: bits_per_byte
 """)
 
 
@@ -90,8 +135,9 @@ def evaluated(checkpoint: Path, tmp_path_factory) -> Dict[str, object]:
     data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
     _write_task(tmp_path / "tasks", "tiny_choice",
                 f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n")
+    _write_generation_and_rolling_tasks(tmp_path / "tasks")
     before = set(checkpoint.glob("eval-*.json"))
-    proc = _evaluate_cli([f"checkpoint={checkpoint}", "tasks=[tiny_choice]",
+    proc = _evaluate_cli([f"checkpoint={checkpoint}", "tasks=[tiny_choice,tiny_gen,tiny_rolling]",
                           f"include_path={tmp_path / 'tasks'}", "batch_size=2", "log_samples=true",
                           "device=cpu"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -104,7 +150,8 @@ def test_custom_task_log_likelihoods_are_our_models(checkpoint: Path, evaluated)
     (results_file,) = evaluated["written"]
     loaded = load_checkpoint_for_inference(checkpoint, device="cpu")
     samples_file = results_file.with_name(results_file.stem + "-samples.jsonl")
-    samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
+    samples = [s for s in map(json.loads, samples_file.read_text().splitlines())
+               if s["task"] == "tiny_choice"]
     assert sorted(s["doc_id"] for s in samples) == list(range(len(DOCS)))
     correct = 0
     for sample in samples:
@@ -123,13 +170,61 @@ def test_custom_task_log_likelihoods_are_our_models(checkpoint: Path, evaluated)
     assert record["metrics"]["eval/tiny_choice/acc"] == pytest.approx(correct / len(DOCS))
 
 
+def _samples(results_file: Path, task: str) -> List[dict]:
+    lines = results_file.with_name(results_file.stem + "-samples.jsonl").read_text().splitlines()
+    return sorted((s for s in map(json.loads, lines) if s["task"] == task), key=lambda s: s["doc_id"])
+
+
+def test_generation_task_decodes_greedily_with_our_model(checkpoint: Path, evaluated) -> None:
+    from evaluation.checkpoint import load_checkpoint_for_inference
+
+    loaded = load_checkpoint_for_inference(checkpoint, device="cpu")
+    tokenizer, model = loaded.tokenizer, loaded.model
+    samples = _samples(evaluated["written"][0], "tiny_gen")
+    assert len(samples) == len(GENERATION_DOCS)
+    for sample, doc in zip(samples, GENERATION_DOCS):
+        ids = tokenizer.encode(doc["question"], add_special_tokens=False)
+        new: List[int] = []
+        with torch.no_grad():
+            for _ in range(8):
+                new.append(int(model(torch.tensor([ids + new]))[0, -1].argmax()))
+        text = tokenizer.decode(new)
+        for stop in (GENERATION_STOP, tokenizer.eos_token):
+            text = text.split(stop)[0]
+        assert sample["resps"] == [[text]]
+    assert samples[0]["resps"] == [[" mat"]] and samples[0]["exact_match"] == 1.0
+
+
+def test_rolling_log_likelihoods_are_our_models(checkpoint: Path, evaluated) -> None:
+    from evaluation.checkpoint import load_checkpoint_for_inference
+
+    loaded = load_checkpoint_for_inference(checkpoint, device="cpu")
+    tokenizer, model = loaded.tokenizer, loaded.model
+    window = model.cfg.seq_len
+    samples = _samples(evaluated["written"][0], "tiny_rolling")
+    for sample, doc in zip(samples, ROLLING_DOCS):
+        tokens = tokenizer.encode(doc["text"], add_special_tokens=False)
+        stream = [tokenizer.eos_token_id] + tokens  # stream[i] precedes tokens[i]
+        expected = 0.0
+        for start in range(0, len(tokens), window):  # disjoint prediction windows
+            end = min(start + window, len(tokens))
+            inputs = stream[max(0, end - window):end]
+            with torch.no_grad():
+                log_probs = torch.log_softmax(model(torch.tensor([inputs])).double(), -1)[0]
+            positions = range(len(inputs) - (end - start), len(inputs))
+            expected += sum(float(log_probs[p, tokens[start + i]]) for i, p in enumerate(positions))
+        assert sample["resps"][0][0] == pytest.approx(expected, abs=1e-3)
+    assert len(tokenizer.encode(ROLLING_DOCS[1]["text"])) > window  # the second needs 2 windows
+
+
 def test_results_file_sits_next_to_the_checkpoint(checkpoint: Path, evaluated) -> None:
     (results_file,) = evaluated["written"]
     assert results_file.parent == checkpoint and results_file.name.startswith("eval-")
     record = json.loads(results_file.read_text())
     assert record["step"] == 60 and record["run_name"] == "tiny_eval"
     assert record["n-samples"]["tiny_choice"]["effective"] == len(DOCS)
-    assert set(record["metrics"]) == {"eval/tiny_choice/acc", "eval/tiny_choice/acc_stderr"}
+    assert {"eval/tiny_choice/acc", "eval/tiny_choice/acc_stderr", "eval/tiny_gen/exact_match",
+            "eval/tiny_rolling/word_perplexity", "eval/tiny_rolling/bits_per_byte"} <= set(record["metrics"])
     assert record["eval_config"]["batch_size"] == 2
     summary = json.loads(evaluated["proc"].stdout.strip().splitlines()[-1])
     assert summary["results"] == str(results_file) and summary["wandb"] is None  # the run logged none
