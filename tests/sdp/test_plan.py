@@ -164,3 +164,13 @@ def test_step_budget_scales_by_one_over_coverage_when_flop_matched():
     assert sdp.step_budget(300, SDPConfig(kind="block", coverage=0.69, flop_matched=True)) == 435
     assert sdp.step_budget(300, SDPConfig(kind="block", coverage=0.5, flop_matched=False)) == 300
     assert sdp.step_budget(300, SDPConfig(kind="none", coverage=0.5, flop_matched=True)) == 300
+
+
+@pytest.mark.parametrize("experiment", ["tiny_bsdp50", "tiny_nsdp50", "llama500m_bsdp50", "llama500m_nsdp50",
+                                        "llama1_8b_bsdp69"])
+def test_sdp_experiments_compose_and_plan(experiment, capsys):
+    assert main([f"+experiment={experiment}", "sdp.workers=8"]) == 0
+    out = capsys.readouterr().out
+    kind = "neuron" if "nsdp" in experiment else "block"
+    coverage = "0.69" if experiment.endswith("69") else "0.5"
+    assert f"SDP plan: {kind} cyclic C={coverage}" in out
