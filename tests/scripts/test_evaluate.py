@@ -297,3 +297,19 @@ def test_in_loop_evaluation_leaves_training_state_alone(checkpoint: Path, tmp_pa
     ours = [max(range(len(d["choices"])), key=lambda c: _our_continuation_logprob(
         model, loaded.tokenizer, d["question"], " " + d["choices"][c])) == d["label"] for d in DOCS[:3]]
     assert metrics["eval/tiny_loop/acc"] == pytest.approx(sum(ours) / 3)  # the first 3 documents
+
+
+def test_wandb_logs_into_the_training_run(tmp_path: Path, monkeypatch) -> None:
+    from evaluation.harness import log_to_wandb, wandb_mode_for_run
+
+    assert wandb_mode_for_run("auto", {"logger": {"wandb": "disabled"}}) == "disabled"
+    assert wandb_mode_for_run("offline", {"logger": {"wandb": "disabled"}}) == "offline"
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_id = log_to_wandb({"eval/piqa/acc": 0.625}, run_name="llama500m/scape99", step=300,
+                          run_config={"logger": {"project": "scape-sdp", "wandb": "auto"}},
+                          mode="offline", resume_run=True, run_dir=tmp_path)
+    assert run_id == "llama500m-scape99"  # trainer/metrics.py's id for that run name
+    (run_dir,) = (tmp_path / "wandb").glob(f"offline-run-*-{run_id}")
+    (events,) = run_dir.glob("*.wandb")
+    assert b"eval/piqa/acc" in events.read_bytes() and b"eval/step" in events.read_bytes()
