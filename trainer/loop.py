@@ -194,7 +194,9 @@ def _train(cfg: DictConfig, env: DistEnv, stop: StopSignal) -> Dict[str, Any]:
     model, sync = build_model_and_sync(cfg, env.world_size, env.rank, env.device)
     n_params = count_parameters(model)
     full_params = getattr(sync, "full_numel", None) or n_params
-    flops_tok = flops_per_token(cfg.model)
+    # A forward-masked SDP worker computes only its subnetwork; everyone else the full model.
+    worker_spec = getattr(sync, "spec", None) if cfg.sdp.kind != "none" and cfg.sdp.masking == "forward" else None
+    flops_tok = flops_per_token(cfg.model, worker_spec)
     if t_cfg.activation_checkpointing:
         model.set_activation_checkpointing(True)
     train_model = torch.compile(model) if t_cfg.compile else model
