@@ -104,8 +104,7 @@ def is_network_failure(exc: BaseException) -> bool:
     seen = 0
     while exc is not None and seen < 20:
         if isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__name__ in (
-                "OfflineModeIsEnabled", "LocalEntryNotFoundError", "ConnectError", "gaierror",
-                "DatasetNotFoundError"):
+                "OfflineModeIsEnabled", "LocalEntryNotFoundError", "ConnectError", "gaierror"):
             return True
         message = str(exc).lower()
         if "offline" in message or "couldn't reach" in message or "not cached" in message:
