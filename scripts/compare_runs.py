@@ -24,11 +24,12 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     rows = [(run.name, load_summary(run)) for run in args.runs]
     ref_loss = rows[0][1]["final_val_loss"]
-    print(f"{'run':<24} {'val loss':>9} {'gap':>8} {'MB sent/rank':>13} {'dense MB':>10} {'not sent':>9}")
+    width = max(24, *(len(name) for name, _ in rows))
+    print(f"{'run':<{width}} {'val loss':>9} {'gap':>8} {'MB sent/rank':>13} {'dense MB':>10} {'not sent':>9}")
     for name, s in rows:
         sent, dense = s["bytes_sent_per_rank"] / 1e6, s["dense_bytes_per_rank"] / 1e6
         saved = 1 - sent / dense if dense else 0.0
-        print(f"{name:<24} {s['final_val_loss']:>9.4f} {s['final_val_loss'] - ref_loss:>+8.4f} "
+        print(f"{name:<{width}} {s['final_val_loss']:>9.4f} {s['final_val_loss'] - ref_loss:>+8.4f} "
               f"{sent:>13.2f} {dense:>10.2f} {saved:>9.1%}")
 
 
