@@ -405,6 +405,10 @@ def main(argv=None) -> int:
               "command": invocation, "settings": settings,
               "machine": {**machine_start, "load_avg_1_5_15min_end": [round(x, 2) for x in os.getloadavg()]},
               "targets": targets, "arms": results}
+    if args.report_only and previous.is_file():  # the study's own date and command, not this rebuild's
+        old_report = json.loads(previous.read_text())
+        report.update({k: old_report[k] for k in ("date", "command") if k in old_report},
+                      report_rebuilt={"date": report["date"], "command": invocation})
     (args.out / f"{args.name}.json").write_text(json.dumps(report, indent=1))
     finished = {results[n]["label"]: read_metrics(study_runs / n) for n in results if results[n].get("summary")}
     if finished:
