@@ -47,6 +47,7 @@ def adams_update_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, step: int, 
     c = 1.0 - b1 ** step
     if wd != 0.0:
         p.mul_(1.0 - lr * wd)
-    denom = (b2 * (m / c).square() + (1.0 - b2) * g.square()).sqrt_().add_(eps)
+    # One temporary: denom = sqrt(b2 (m/c)^2 + (1 - b2) g^2) + eps, built in place.
+    denom = torch.mul(m, m).mul_(b2 / (c * c)).addcmul_(g, g, value=1.0 - b2).sqrt_().add_(eps)
     m.mul_(b1).add_(g, alpha=1.0 - b1)
     p.addcdiv_(m, denom, value=-lr / c)
