@@ -33,6 +33,10 @@ class TrainConfig:
     dist_timeout_s: int = 600  # process-group timeout: a hung collective fails after this
     max_nonfinite_steps: int = 5  # consecutive skipped (NaN/inf) steps before the run stops
     stop_after_steps: Optional[int] = None  # end this job (with a checkpoint) after N steps
+    downstream_every: int = 0  # lm-eval tasks on rank 0 every N steps (0 = off; needs the eval extra)
+    downstream_tasks: str = "small"  # a conf/eval/ preset or a comma-separated task list
+    downstream_limit: Optional[float] = 200  # documents per task
+    downstream_include_path: Optional[str] = None  # folder of custom task YAMLs (offline tasks)
 
 
 @dataclass

@@ -69,6 +69,11 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"optimizer.grad_clip must be >= 0 (0 = off), got {cfg.optimizer.grad_clip}")
     if t.precision not in ("auto", "bf16", "fp32"):
         raise ConfigError(f"train.precision must be auto, bf16 or fp32, got {t.precision!r}")
+    if t.downstream_every < 0:
+        raise ConfigError(f"train.downstream_every must be >= 0 (0 = off), got {t.downstream_every}")
+    if t.downstream_every and cfg.sdp.kind != "none" and cfg.sdp.masking == "forward":
+        raise ConfigError("train.downstream_every needs the full model on rank 0, which a forward-masked "
+                          "SDP worker does not hold; score its checkpoints with scripts/evaluate.py")
     if t.max_nonfinite_steps < 1:
         raise ConfigError(f"train.max_nonfinite_steps must be >= 1, got {t.max_nonfinite_steps}")
     if cfg.resume not in ("none", "auto") and not Path(cfg.resume).is_dir():
@@ -128,6 +133,32 @@ def evaluate(model: torch.nn.Module, batches, device: torch.device, autocast) ->
     comm.all_reduce(total, kind="eval")
     model.train(was_training)
     return float(total[0] / total[1])
+
+
+def _downstream_evaluator(cfg: DictConfig, env: DistEnv, prepared: Path, model: torch.nn.Module):
+    """Rank 0's in-loop lm-eval scorer, or None. It needs no collective: other ranks wait at the
+    next step's all-reduce. A task that cannot run (e.g. hub data offline) disables it once."""
+    t_cfg = cfg.train
+    if not t_cfg.downstream_every or not env.is_main:
+        return None
+    from data import load_tokenizer
+    from evaluation.harness import DownstreamEvalError
+    from evaluation.in_loop import downstream_eval_metrics
+
+    tokenizer, state = load_tokenizer(prepared), {"enabled": True}
+
+    def evaluate_downstream() -> Dict[str, float]:
+        if not state["enabled"]:
+            return {}
+        try:
+            return downstream_eval_metrics(model, tokenizer, t_cfg.downstream_tasks, limit=t_cfg.downstream_limit,
+                                           include_path=t_cfg.downstream_include_path)
+        except DownstreamEvalError as exc:
+            state["enabled"] = False
+            print(f"downstream evaluation disabled for this run: {exc}", flush=True)
+            return {}
+
+    return evaluate_downstream
 
 
 def _trim_metrics(path: Path, last_step: int) -> None:
@@ -236,6 +267,7 @@ def _train(cfg: DictConfig, env: DistEnv, stop: StopSignal) -> Dict[str, Any]:
     peak = peak_flops(env.device)
     tokens_per_step = t_cfg.global_batch_tokens
     dense_bytes = comm.all_reduce_bytes(full_params * 4, env.world_size)
+    downstream = _downstream_evaluator(cfg, env, prepared, sync.model if cfg.sdp.kind != "none" else model)
     batches = train_data.batches(start_step, accum)
     val_batches = val_data.eval_batches(t_cfg.eval_batches)
     last_val, best_val, nonfinite_in_row, skipped = None, math.inf, 0, 0
@@ -321,6 +353,10 @@ def _train(cfg: DictConfig, env: DistEnv, stop: StopSignal) -> Dict[str, Any]:
             best_val = min(best_val, last_val)
             if env.is_main:
                 logger.log(step, {"val/loss": last_val, "val/perplexity": math.exp(min(last_val, 50))})
+        if downstream is not None and step % t_cfg.downstream_every == 0:
+            scores = downstream()
+            if scores:
+                logger.log(step, scores)
         ran = step - start_step
         stop_job = stop_requested or (t_cfg.stop_after_steps is not None and ran >= t_cfg.stop_after_steps)
         periodic = t_cfg.ckpt_every and step % t_cfg.ckpt_every == 0 and not nonfinite_in_row

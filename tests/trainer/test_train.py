@@ -75,3 +75,32 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path, prepared_cache
     plain, recomputed = train_losses(tmp_path / "plain"), train_losses(tmp_path / "ckpt")
     assert plain.keys() == recomputed.keys() == {1, 2, 3}
     assert all(abs(plain[s] - recomputed[s]) <= 1e-6 for s in plain)
+
+
+def test_in_loop_downstream_evaluation_logs_lm_eval_scores(tmp_path, prepared_cache):
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    docs = [{"question": "for x in range(3):", "choices": [" print(x)", " banana split"], "label": 0},
+            {"question": "The return statement", "choices": [" leaves the function", " qwzx"], "label": 0}]
+    (tasks / "choice.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tasks / "loop_choice.yaml").write_text(f"""task: loop_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {tasks / 'choice.jsonl'}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+""")
+    offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf")}
+    check(train_cli(_args(tmp_path, prepared_cache, "run_name=ds", "train.steps=2", "train.downstream_every=2",
+                          "train.downstream_tasks=loop_choice", f"train.downstream_include_path={tasks}"),
+                    env=offline, timeout=400))
+    scores = [r for r in read_metrics(tmp_path / "ds") if "eval/loop_choice/acc" in r]
+    assert [r["step"] for r in scores] == [2] and 0.0 <= scores[0]["eval/loop_choice/acc"] <= 1.0
