@@ -13,7 +13,7 @@ from typing import Dict, List
 import pytest
 import torch
 
-from tests.scripts.tiny_checkpoint import make_tiny_checkpoint
+from tests.scripts.tiny_checkpoint import make_tiny_checkpoint, write_choice_task
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -47,18 +47,7 @@ def checkpoint(one_torch_thread, tmp_path_factory) -> Path:
 
 
 def _write_task(folder: Path, name: str, dataset_lines: str) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{name}.yaml").write_text(dataset_lines + f"""
-task: {name}
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: label
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-""")
+    write_choice_task(folder, name, dataset_lines)
 
 
 def _write_generation_and_rolling_tasks(folder: Path) -> None:

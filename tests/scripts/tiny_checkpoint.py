@@ -76,3 +76,19 @@ def make_tiny_checkpoint(root: Path, steps: int = 60) -> Path:
                        "logger": {"wandb": "disabled", "project": "scape-sdp"}}}
     (step_dir / "meta.json").write_text(json.dumps(meta, indent=2))
     return step_dir
+
+
+def write_choice_task(folder: Path, name: str, dataset_lines: str) -> None:
+    """An lm-eval multiple-choice task YAML (question / choices / label) over ``dataset_lines``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.yaml").write_text(dataset_lines + f"""
+task: {name}
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+""")

@@ -5,6 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.scripts.tiny_checkpoint import write_choice_task
 from tests.train_helpers import TINY, check, read_metrics, train_cli, train_losses
 
 
@@ -83,21 +84,8 @@ def test_in_loop_downstream_evaluation_logs_lm_eval_scores(tmp_path, prepared_ca
     docs = [{"question": "for x in range(3):", "choices": [" print(x)", " banana split"], "label": 0},
             {"question": "The return statement", "choices": [" leaves the function", " qwzx"], "label": 0}]
     (tasks / "choice.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (tasks / "loop_choice.yaml").write_text(f"""task: loop_choice
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {tasks / 'choice.jsonl'}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: label
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-""")
+    write_choice_task(tasks, "loop_choice", f"dataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                                            f"    test: {tasks / 'choice.jsonl'}\ntest_split: test\n")
     offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf")}
     check(train_cli(_args(tmp_path, prepared_cache, "run_name=ds", "train.steps=2", "train.downstream_every=2",
                           "train.downstream_tasks=loop_choice", f"train.downstream_include_path={tasks}"),
