@@ -1,4 +1,4 @@
-"""Subnetworks of a model for subnetwork data parallelism (see ../shared/specs/SDP.md).
+"""Subnetworks of a model for subnetwork data parallelism (see docs/specs/SDP.md).
 
 A subnetwork is the full model with some blocks removed (B-SDP) and/or some attention heads and
 MLP hidden units removed inside the blocks it keeps (N-SDP). It keeps the full model's parameter

@@ -1,6 +1,6 @@
 """AdamS, the SCAPE distributed optimizer, its kernels and its communication accounting.
 
-The trainer builds SCAPE through ``build_synchronizer`` (../shared/specs/SCAPE.md; notes in
+The trainer builds SCAPE through ``build_synchronizer`` (docs/specs/SCAPE.md; notes in
 docs/SCAPE.md). Importing this package is cheap: the synchroniser is imported on first use.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """AdamS: Adam with the second moment replaced by the momentum itself.
 
-Formula and defaults: ../shared/specs/SCAPE.md, "AdamS (dense)" (official reference:
+Formula and defaults: docs/specs/SCAPE.md, "AdamS (dense)" (official reference:
 pku-huzhang/AdamS). One state buffer per parameter (half of AdamW's optimizer memory); the
 update |m_t / c| / denom is bounded, which is what lets SCAPE feed it sparse, stale statistics.
 """

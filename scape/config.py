@@ -1,6 +1,6 @@
 """The optimizer selector's config schema (Hydra group ``optimizer``).
 
-One dataclass for AdamW, AdamS and SCAPE: the SCAPE keys (../shared/specs/SCAPE.md, "Options")
+One dataclass for AdamW, AdamS and SCAPE: the SCAPE keys (docs/specs/SCAPE.md, "Options")
 are ignored by the dense optimizers.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""SCAPE: the gradient synchroniser and optimizer of ../shared/specs/SCAPE.md, one object.
+"""SCAPE: the gradient synchroniser and optimizer of docs/specs/SCAPE.md, one object.
 
 Per step the loop calls reduce_gradients -> clip_gradients -> step -> after_step:
 

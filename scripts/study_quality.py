@@ -11,7 +11,7 @@ arms. Each arm is the real trainer with real gloo collectives, so the bytes in t
 ones the trainer counted (bytes sent per rank under ring algorithms, trainer/comm.py).
 
 The outputs go to --out (docs/results by default): NAME.md (the table), NAME.json (settings,
-machine, every arm's summary and validation curve, the targets of ../shared/specs/SCAPE.md and
+machine, every arm's summary and validation curve, the targets of docs/specs/SCAPE.md and
 SDP.md and whether they are met) and NAME_val_loss.png (validation loss against step and against
 bytes sent, the two regimes the SCAPE spec asks for). Run folders go to --runs-dir/NAME/ARM; an
 arm whose folder holds a completed run with the same overrides is not trained again.
@@ -85,7 +85,7 @@ ARMS: Dict[str, Arm] = {arm.name: arm for arm in [
         "optimizer.sparsity_warmup_steps={quarter}", "optimizer.stale_scale_cap=8"), "both", False),
 ]}
 
-# ../shared/specs/SCAPE.md "Quality targets" and SDP.md "Reference simulation": (arm, kind, bound).
+# docs/specs/SCAPE.md "Quality targets" and SDP.md "Reference simulation": (arm, kind, bound).
 # kind "gap": final val loss - AdamS's <= bound; kind "worse_than": final val loss > that arm's.
 TARGETS: List[Tuple[str, str, object]] = [
     ("scape90", "gap", 0.02),

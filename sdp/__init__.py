@@ -1,4 +1,4 @@
-"""Subnetwork data parallelism (../shared/specs/SDP.md): the planner and holder-set aggregation.
+"""Subnetwork data parallelism (docs/specs/SDP.md): the planner and holder-set aggregation.
 
 The trainer calls ``build_synchronizer`` when ``sdp.kind != none`` and ``step_budget`` for the
 step count; everything else (plan, layout, synchroniser) is reached through those two.

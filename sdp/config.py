@@ -1,4 +1,4 @@
-"""Subnetwork data parallelism's config schema (Hydra group ``sdp``); see ../shared/specs/SDP.md."""
+"""Subnetwork data parallelism's config schema (Hydra group ``sdp``); see docs/specs/SDP.md."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,4 @@
-"""The worker-mask planner: which worker holds which component (../shared/specs/SDP.md).
+"""The worker-mask planner: which worker holds which component (docs/specs/SDP.md).
 
 A plan is a K x n boolean matrix A (workers x maskable components). Everything else in sdp/
 reads a plan: the subnetwork a worker builds, the holder sets its gradients are averaged over,
