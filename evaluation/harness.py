@@ -15,6 +15,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
+from data.errors import looks_like_network_failure
+
 REPO = Path(__file__).resolve().parents[1]
 PRESETS_DIR = REPO / "conf" / "eval"
 
@@ -98,22 +100,6 @@ def task_manager_for(task_names: Sequence[str], include_path: Optional[str] = No
 # Running
 
 
-def is_network_failure(exc: BaseException) -> bool:
-    """Whether an exception (or one it wraps) comes from the hub being unreachable or offline
-    mode hiding it — as opposed to a bad task definition, which must surface as it is."""
-    seen = 0
-    while exc is not None and seen < 20:
-        if isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__name__ in (
-                "OfflineModeIsEnabled", "LocalEntryNotFoundError", "ConnectError", "gaierror"):
-            return True
-        message = str(exc).lower()
-        if "offline" in message or "couldn't reach" in message or "not cached" in message:
-            return True
-        exc = exc.__cause__ or exc.__context__
-        seen += 1
-    return False
-
-
 def run_lm_eval(lm, task_names: Sequence[str], *, include_path: Optional[str] = None,
                 limit: Optional[float] = None, num_fewshot: Optional[int] = None,
                 log_samples: bool = False, seed: int = 1234,
@@ -131,7 +117,7 @@ def run_lm_eval(lm, task_names: Sequence[str], *, include_path: Optional[str] = 
     except DownstreamEvalError:
         raise
     except Exception as exc:
-        if is_network_failure(exc):
+        if looks_like_network_failure(exc):
             first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
             raise HubTaskUnavailableError(
                 f"cannot load the data of task(s) {list(task_names)}: it comes from the Hugging Face "
