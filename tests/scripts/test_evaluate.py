@@ -13,7 +13,7 @@ from typing import Dict, List
 import pytest
 import torch
 
-from tests.scripts.tiny_checkpoint import make_tiny_checkpoint, write_choice_task
+from tests.scripts.tiny_checkpoint import write_choice_task
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,20 +30,6 @@ GENERATION_DOCS = [{"question": "the cat sat on the"}, {"question": "a dog"}, {"
 GENERATION_STOP = "park"
 ROLLING_DOCS = [{"text": "the sun is hot and the moon is cold"},
                 {"text": " ".join(["we drink water when we are thirsty"] * 12)}]  # > 64 tokens
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny matmuls on a shared 2-core machine: extra threads only spin (10x the CPU time)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(one_torch_thread, tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("eval_ckpt"))
 
 
 def _write_task(folder: Path, name: str, dataset_lines: str) -> None:

@@ -12,23 +12,8 @@ from typing import List
 import pytest
 import torch
 
-from tests.scripts.tiny_checkpoint import make_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny matmuls on a shared 2-core machine: extra threads only spin (10x the CPU time)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(one_torch_thread, tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("gen_ckpt"))
 
 
 @pytest.fixture(scope="module")
