@@ -88,10 +88,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend:
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE in Llama's (HF's) half-split layout, so weights map to transformers unpermuted.
+    """RoPE tables in Llama's (HF's) half-split layout, so weights map to transformers unpermuted.
 
-    cos/sin are cached per (length, device) in fp32 and kept out of the state dict; they are
-    recomputed after a move between devices.
+    cos/sin are [T, 1, hd/2] (both halves of a head share the same angles; models/ops.py's
+    apply_rotary uses them for each), cached per (length, device) in fp32 and kept out of the
+    state dict; they are recomputed after a move between devices.
     """
 
     def __init__(self, head_dim: int, theta: float) -> None:
@@ -107,19 +108,9 @@ class RotaryEmbedding(nn.Module):
                 torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float()
                 / self.head_dim))
             positions = torch.arange(length, device=device, dtype=torch.float32)
-            freqs = torch.outer(positions, inv_freq)
-            emb = torch.cat((freqs, freqs), dim=-1)  # [T, hd]
-            self._cache[key] = (emb.cos()[:, None, :], emb.sin()[:, None, :])  # [T, 1, hd]
+            freqs = torch.outer(positions, inv_freq)  # [T, hd/2]
+            self._cache[key] = (freqs.cos()[:, None, :], freqs.sin()[:, None, :])
         return self._cache[key]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, H, hd]; cos/sin: [T, 1, hd] (fp32, cast to x's dtype as HF does)."""
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,9 +220,11 @@ def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
 
 
 def _chunk_rows(vocab_size: int, device: torch.device) -> int:
-    # About 8 MB of fp32 logits per chunk on CPU (stays in cache between the passes over it),
-    # 256 MB on an accelerator (big enough for full-speed matmuls, small next to [N, V]).
-    elements = (1 << 21) if device.type == "cpu" else (1 << 26)
+    # About 16 MB of fp32 logits per chunk on CPU (512 rows of a 8192 vocabulary: smaller
+    # chunks re-read the head weight more often and run the matmuls slower, measured with
+    # scripts/bench_model.py), 256 MB on an accelerator (big enough for full-speed matmuls,
+    # small next to [N, V]).
+    elements = (1 << 22) if device.type == "cpu" else (1 << 26)
     return max(16, elements // vocab_size)
 
 
@@ -256,22 +249,37 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grads else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grads else None
+        # One fp32 logits buffer for all chunks: allocating a fresh multi-MB block per chunk
+        # costs page faults on CPU (glibc returns big blocks to the OS when they are freed).
+        buffer = torch.empty(min(rows, hidden.shape[0]), weight.shape[0], dtype=torch.float32,
+                             device=hidden.device)
         for start in range(0, hidden.shape[0], rows):
             h = hidden[start:start + rows].to(compute_dtype)
             chunk_targets = targets[start:start + rows]
             chunk_valid = valid[start:start + rows]
             safe_targets = chunk_targets.clamp(min=0)[:, None]
-            logits = (h @ w.t()).float()
-            lse = torch.logsumexp(logits, dim=-1)
+            logits = buffer[:h.shape[0]]
+            if compute_dtype == torch.float32:
+                torch.mm(h, w.t(), out=logits)
+            else:
+                logits.copy_(h @ w.t())
             target_logits = logits.gather(1, safe_targets).squeeze(1)
+            # log-sum-exp by hand so the one exp pass also gives the softmax for the gradient.
+            row_max = logits.amax(dim=-1, keepdim=True)
+            exps = logits.sub_(row_max).exp_()
+            sum_exps = exps.sum(dim=-1)
+            lse = row_max.squeeze(1) + sum_exps.log()
             loss_sum += torch.where(chunk_valid, lse - target_logits, 0.0).sum()
             if not need_grads:
                 continue
-            probabilities = logits.sub_(lse[:, None]).exp_()
-            probabilities.scatter_add_(1, safe_targets, torch.full_like(target_logits, -1.0)[:, None])
-            probabilities.mul_(torch.where(chunk_valid, scale, 0.0)[:, None])
+            row_scale = torch.where(chunk_valid, scale, 0.0)
+            probabilities = exps.mul_((row_scale / sum_exps)[:, None])  # softmax / count
+            probabilities.scatter_add_(1, safe_targets, -row_scale[:, None])
             grad_logits = probabilities.to(compute_dtype)
-            grad_hidden[start:start + rows] = (grad_logits @ w).to(hidden.dtype)
+            if hidden.dtype == compute_dtype:
+                torch.mm(grad_logits, w, out=grad_hidden[start:start + rows])
+            else:
+                grad_hidden[start:start + rows] = (grad_logits @ w).to(hidden.dtype)
             if compute_dtype == torch.float32:
                 grad_weight.addmm_(grad_logits.t(), h)
             else:

@@ -12,9 +12,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.common import (CausalLM, RotaryEmbedding, apply_rotary, causal_attention,
-                           resolved_ffn_hidden, resolved_kv_heads)
+from models.common import (CausalLM, RotaryEmbedding, causal_attention, resolved_ffn_hidden,
+                           resolved_kv_heads)
 from models.config import ModelConfig
+from models.ops import apply_rotary, rms_norm, swiglu
 from models.subnet import SubnetSpec
 
 
@@ -26,7 +27,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused op (the residual stream is fp32 under autocast)
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps)
         # Normalise in fp32 and scale in the input dtype, as Llama's reference does.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
         return self.weight * normed
@@ -54,8 +55,10 @@ class LlamaAttention(nn.Module):
         # activations) and autograd splits the gradient back into the three tensors.
         weight = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
         qkv = F.linear(x, weight).view(batch, length, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
-        q, k, v = qkv.split((self.n_heads, self.n_kv_heads, self.n_kv_heads), dim=2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # q and k are adjacent in qkv: one rotary call for both.
+        qk = apply_rotary(qkv[:, :, :self.n_heads + self.n_kv_heads], cos, sin)
+        q, k = qk.split((self.n_heads, self.n_kv_heads), dim=2)
+        v = qkv[:, :, self.n_heads + self.n_kv_heads:]
         y = causal_attention(q, k, v, self.backend)
         return self.o_proj(y.reshape(batch, length, self.n_heads * self.head_dim))
 
@@ -68,8 +71,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, torch.cat((self.gate_proj.weight, self.up_proj.weight))).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(swiglu(F.linear(x, torch.cat((self.gate_proj.weight, self.up_proj.weight)))))
 
 
 class LlamaBlock(nn.Module):

@@ -51,11 +51,14 @@ def test_logits_match_transformers(family: str, overrides: dict) -> None:
     torch.testing.assert_close(our_logits, their_logits, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt"])
-def test_loss_matches_transformers(family: str) -> None:
-    cfg = _parity_config(family)
+@pytest.mark.parametrize("family,overrides", CASES)
+def test_loss_and_gradients_match_transformers(family: str, overrides: dict) -> None:
+    """The training step, not only the forward: our hand-written backward passes (fused loss,
+    RoPE, SwiGLU, RMSNorm in models/ops.py) give transformers' gradients."""
+    cfg = _parity_config(family, **overrides)
     torch.manual_seed(1)
     ours = build_model(cfg)
+    _perturb_norms(ours)
     theirs = to_hf_model(ours, cfg)
     idx = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
     # HF shifts labels inside; we take targets already shifted (last position ignored).
@@ -63,6 +66,11 @@ def test_loss_matches_transformers(family: str) -> None:
     our_loss = ours(idx, targets)
     their_loss = theirs(input_ids=idx, labels=idx).loss
     torch.testing.assert_close(our_loss, their_loss, atol=1e-5, rtol=0)
+    our_loss.backward()
+    their_loss.backward()
+    their_grads = from_hf_state_dict({name: param.grad for name, param in theirs.named_parameters()}, cfg)
+    for name, param in ours.named_parameters():
+        torch.testing.assert_close(param.grad, their_grads[name], atol=1e-6, rtol=1e-4, msg=name)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt"])

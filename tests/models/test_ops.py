@@ -1,0 +1,62 @@
+"""The hand-written backward passes in models/ops.py equal autograd through the textbook forms."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.common import RotaryEmbedding
+from models.ops import apply_rotary, rms_norm, swiglu
+
+
+def _values_and_grads(fn, inputs, grad_out):
+    inputs = [t.detach().clone().requires_grad_(True) for t in inputs]
+    out = fn(*inputs)
+    out.backward(grad_out)
+    return out.detach(), [t.grad for t in inputs]
+
+
+def _assert_same(fn, reference, inputs, atol=1e-6, rtol=1e-5):
+    grad_out = torch.randn_like(reference(*inputs))
+    got, got_grads = _values_and_grads(fn, inputs, grad_out)
+    want, want_grads = _values_and_grads(reference, inputs, grad_out)
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, atol=atol, rtol=rtol)
+
+
+def test_rotary_equals_transformers_formula_on_strided_input() -> None:
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    torch.manual_seed(0)
+    cos, sin = RotaryEmbedding(head_dim=16, theta=10000.0).cos_sin(12, torch.device("cpu"))
+    full_cos, full_sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+    # A slice of a wider tensor, as the q/k heads of the fused qkv projection are.
+    qkv = torch.randn(3, 12, 7, 16)
+
+    def reference(x):
+        return x[:, :, :5] * full_cos + rotate_half(x[:, :, :5]) * full_sin
+
+    _assert_same(lambda x: apply_rotary(x[:, :, :5], cos, sin), reference, [qkv])
+
+
+@pytest.mark.parametrize("hidden", [24, 0])
+def test_swiglu_equals_silu_gate_times_up(hidden: int) -> None:
+    torch.manual_seed(1)
+    gate_up = torch.randn(4, 5, 2 * hidden)
+
+    def reference(x):
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    _assert_same(swiglu, reference, [gate_up])
+
+
+def test_rms_norm_equals_pytorch_and_passes_gradcheck() -> None:
+    torch.manual_seed(2)
+    x, weight = torch.randn(3, 9, 32) * 3, torch.randn(32)
+    _assert_same(lambda a, w: rms_norm(a, w, 1e-5), lambda a, w: F.rms_norm(a, (32,), w, 1e-5),
+                 [x, weight])
+    x64 = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
+    w64 = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, w: rms_norm(a, w, 1e-6), (x64, w64))
