@@ -224,7 +224,7 @@ def _chunk_rows(vocab_size: int, device: torch.device) -> int:
     # chunks re-read the head weight more often and run the matmuls slower, measured with
     # scripts/bench_model.py), 256 MB on an accelerator (big enough for full-speed matmuls,
     # small next to [N, V]).
-    elements = (1 << 22) if device.type == "cpu" else (1 << 26)
+    elements = (1 << 23) if device.type == "cpu" else (1 << 26)
     return max(16, elements // vocab_size)
 
 

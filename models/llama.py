@@ -55,10 +55,9 @@ class LlamaAttention(nn.Module):
         # activations) and autograd splits the gradient back into the three tensors.
         weight = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
         qkv = F.linear(x, weight).view(batch, length, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
-        # q and k are adjacent in qkv: one rotary call for both.
-        qk = apply_rotary(qkv[:, :, :self.n_heads + self.n_kv_heads], cos, sin)
-        q, k = qk.split((self.n_heads, self.n_kv_heads), dim=2)
-        v = qkv[:, :, self.n_heads + self.n_kv_heads:]
+        # RoPE on the q and k heads, v passed through (one tensor in, one gradient out).
+        qkv = apply_rotary(qkv, cos, sin, heads=self.n_heads + self.n_kv_heads)
+        q, k, v = qkv.split((self.n_heads, self.n_kv_heads, self.n_kv_heads), dim=2)
         y = causal_attention(q, k, v, self.backend)
         return self.o_proj(y.reshape(batch, length, self.n_heads * self.head_dim))
 

@@ -39,6 +39,11 @@ def test_rotary_equals_transformers_formula_on_strided_input() -> None:
 
     _assert_same(lambda x: apply_rotary(x[:, :, :5], cos, sin), reference, [qkv])
 
+    def reference_with_passed_heads(x):  # rotate heads 0-3, pass 4-6 through (q, k | v)
+        return torch.cat((x[:, :, :4] * full_cos + rotate_half(x[:, :, :4]) * full_sin, x[:, :, 4:]), 2)
+
+    _assert_same(lambda x: apply_rotary(x, cos, sin, heads=4), reference_with_passed_heads, [qkv])
+
 
 @pytest.mark.parametrize("hidden", [24, 0])
 def test_swiglu_equals_silu_gate_times_up(hidden: int) -> None:
