@@ -224,7 +224,7 @@ def _chunk_rows(vocab_size: int, device: torch.device) -> int:
     # chunks re-read the head weight more often and run the matmuls slower, measured with
     # scripts/bench_model.py), 256 MB on an accelerator (big enough for full-speed matmuls,
     # small next to [N, V]).
-    elements = (1 << 23) if device.type == "cpu" else (1 << 26)
+    elements = (1 << 22) if device.type == "cpu" else (1 << 26)
     return max(16, elements // vocab_size)
 
 
@@ -248,7 +248,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         w = weight.to(compute_dtype)
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grads else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grads else None
+        # Written (not accumulated) by the first chunk; zeros only if there is no chunk at all.
+        new_weight_grad = torch.empty if hidden.shape[0] else torch.zeros
+        grad_weight = new_weight_grad(weight.shape, dtype=torch.float32, device=weight.device) if need_grads else None
         # One fp32 logits buffer for all chunks: allocating a fresh multi-MB block per chunk
         # costs page faults on CPU (glibc returns big blocks to the OS when they are freed).
         buffer = torch.empty(min(rows, hidden.shape[0]), weight.shape[0], dtype=torch.float32,
@@ -280,8 +282,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 torch.mm(grad_logits, w, out=grad_hidden[start:start + rows])
             else:
                 grad_hidden[start:start + rows] = (grad_logits @ w).to(hidden.dtype)
-            if compute_dtype == torch.float32:
-                grad_weight.addmm_(grad_logits.t(), h)
+            if compute_dtype == torch.float32:  # the first chunk initialises grad_weight
+                grad_weight.addmm_(grad_logits.t(), h, beta=0.0 if start == 0 else 1.0)
+            elif start == 0:
+                grad_weight.copy_(grad_logits.t() @ h)
             else:
                 grad_weight += (grad_logits.t() @ h).float()
         if need_grads:
