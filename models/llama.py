@@ -51,13 +51,12 @@ class LlamaAttention(nn.Module):
             # through the (empty) projections so every held tensor, the norm included, gets a
             # gradient (zeros) like in any other block.
             return self.o_proj(self.q_proj(x) + self.k_proj(x) + self.v_proj(x))
-        # One matmul for q, k and v: the weights are concatenated per call (small next to the
-        # activations) and autograd splits the gradient back into the three tensors.
-        weight = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
-        qkv = F.linear(x, weight).view(batch, length, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
-        # RoPE on the q and k heads, v passed through (one tensor in, one gradient out).
-        qkv = apply_rotary(qkv, cos, sin, heads=self.n_heads + self.n_kv_heads)
-        q, k, v = qkv.split((self.n_heads, self.n_kv_heads, self.n_kv_heads), dim=2)
+        # Separate q/k/v (and gate/up) matmuls, as in transformers: one fused matmul measured
+        # ~3% slower per step on CPU (strided halves, one bigger fresh gradient buffer).
+        q = self.q_proj(x).view(batch, length, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, length, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, length, self.n_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = causal_attention(q, k, v, self.backend)
         return self.o_proj(y.reshape(batch, length, self.n_heads * self.head_dim))
 
@@ -70,7 +69,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(F.linear(x, torch.cat((self.gate_proj.weight, self.up_proj.weight)))))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class LlamaBlock(nn.Module):

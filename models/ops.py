@@ -1,90 +1,75 @@
 """Element-wise parts of the Llama block with hand-written backward passes.
 
-Why: in eager mode every PyTorch op is one pass over memory plus one temporary, and autograd
-adds more in backward (the gradient of ``torch.cat`` / ``chunk`` / slicing is a zero-filled
-buffer and copies). RoPE written the textbook way (``x * cos + rotate_half(x) * sin``) costs
-five passes forward and about eight backward; here it is two and two. SwiGLU's backward writes
-the gradient of the fused gate/up projection in place instead of concatenating two halves.
-Same functions as transformers' LlamaForCausalLM (tests/models/test_ops.py, test_hf_parity.py);
-torch.compile traces through them like any autograd.Function.
+Why: in eager mode every PyTorch op is one pass over memory plus a fresh temporary (on CPU a
+fresh multi-MB block is often new pages from the OS, faulted in and zeroed), and autograd adds
+more in backward. RoPE written the textbook way (``x * cos + rotate_half(x) * sin``) costs five
+passes forward and about eight backward (the gradients of ``cat`` and slicing are zero-filled
+buffers); here it is two and two. SwiGLU saves only its inputs and computes its backward with
+aten's fused silu derivative, writing in place. RMSNorm gets a backward of a few passes on CPU,
+where PyTorch differentiates its composite form. Same functions as transformers'
+LlamaForCausalLM (tests/models/test_ops.py; gradients in test_hf_parity.py); torch.compile
+traces through them like any autograd.Function.
 """
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, sign: float) -> torch.Tensor:
-    """Rotate each (x1, x2) half-pair of the first `heads` heads by +angle (sign=1) or -angle
-    (sign=-1) and copy the other heads, into a new contiguous tensor."""
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    """Rotate each (x1, x2) half-pair by +angle (sign=1) or -angle (sign=-1) into a new tensor."""
     half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    x1, x2 = x[:, :, :heads, :half], x[:, :, :heads, half:]
-    out1, out2 = out[:, :, :heads, :half], out[:, :, :heads, half:]
+    out1, out2 = out[..., :half], out[..., half:]
     torch.mul(x1, cos, out=out1)
     out1.addcmul_(x2, sin, value=-sign)   # x1 cos - x2 sin
     torch.mul(x2, cos, out=out2)
     out2.addcmul_(x1, sin, value=sign)    # x2 cos + x1 sin
-    if heads < x.shape[2]:
-        out[:, :, heads:].copy_(x[:, :, heads:])
     return out
 
 
 class _Rotary(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
-        ctx.heads = heads
-        return _rotate(x, cos, sin, heads, 1.0)
+        return _rotate(x, cos, sin, 1.0)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         cos, sin = ctx.saved_tensors
         # A rotation's transpose is the rotation by the opposite angle.
-        return _rotate(grad, cos, sin, ctx.heads, -1.0), None, None, None
+        return _rotate(grad, cos, sin, -1.0), None, None
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 heads: Optional[int] = None) -> torch.Tensor:
-    """RoPE in Llama's half-split layout on the first `heads` heads (default all) of
-    x [B, T, H, hd], the other heads passed through: given the fused [q | k | v] projection, the
-    gradient then comes back as one tensor instead of slices assembled into a zero-filled buffer.
-    cos/sin are [T, 1, hd/2] fp32 tables, cast to x's dtype as transformers does. Returns a new
-    contiguous tensor."""
-    heads = x.shape[2] if heads is None else heads
-    return _Rotary.apply(x, cos.to(x.dtype), sin.to(x.dtype), heads)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in Llama's half-split layout: x [B, T, H, hd] (any strides), cos/sin [T, 1, hd/2]
+    fp32 tables, cast to x's dtype as transformers does. Returns a new contiguous tensor."""
+    return _Rotary.apply(x, cos.to(x.dtype), sin.to(x.dtype))
 
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        ctx.save_for_backward(gate_up)
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
         return F.silu(gate).mul_(up)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        (gate_up,) = ctx.saved_tensors
-        gate, up = gate_up.chunk(2, dim=-1)
-        # Both halves are written in place: no temporaries, four passes in all.
-        grad_gate_up = torch.empty_like(gate_up)
-        grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
-        torch.ops.aten.silu.out(gate, out=grad_up)
-        grad_up.mul_(grad)
-        torch.mul(grad, up, out=grad_gate)
+        gate, up = ctx.saved_tensors
+        grad_up = F.silu(gate).mul_(grad)
+        grad_gate = torch.mul(grad, up)
         # aten's fused silu derivative (elementwise, so it may overwrite its own input).
         torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
-        return grad_gate_up
+        return grad_gate, grad_up
 
 
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gate_up = [gate | up] along the last dimension (one fused matmul)."""
-    return _SwiGLU.apply(gate_up)
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up."""
+    return _SwiGLU.apply(gate, up)
 
 
 class _RMSNorm(torch.autograd.Function):
