@@ -83,14 +83,15 @@ class _RMSNorm(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
-        # y = w * x * r with r = rsqrt(mean(x^2) + eps); recomputing r costs one pass over x.
-        rstd = torch.rsqrt(torch.linalg.vecdot(x, x).div_(x.shape[-1]).add_(ctx.eps)).unsqueeze(-1)
+        dim = x.shape[-1]
+        # y = w * x_hat, x_hat = x * r, r = rsqrt(mean(x^2) + eps): r is recomputed in one pass.
+        rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(dim).add_(ctx.eps).rsqrt_()
         normed = x * rstd
-        grad_weight = (grad * normed).reshape(-1, x.shape[-1]).sum(0) if weight.requires_grad else None
-        grad_normed = grad * weight
-        # dx = r (g w - x_hat mean(g w x_hat))
-        mean_dot = torch.linalg.vecdot(grad_normed, normed).div_(x.shape[-1]).unsqueeze(-1)
-        grad_x = grad_normed.addcmul_(normed, mean_dot, value=-1.0).mul_(rstd)
+        grad_times_normed = grad * normed
+        grad_weight = grad_times_normed.reshape(-1, dim).sum(0) if weight.requires_grad else None
+        # dx = r (g w - x_hat mean(g w x_hat)); mean(g w x_hat) is a matrix-vector product.
+        mean_dot = (grad_times_normed @ weight).div_(dim).unsqueeze(-1)
+        grad_x = (grad * weight).addcmul_(normed, mean_dot, value=-1.0).mul_(rstd)
         return grad_x, grad_weight, None
 
 
