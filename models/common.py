@@ -245,6 +245,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         valid = targets != -1
         count = valid.sum()
         scale = 1.0 / count.to(torch.float32)  # inf when every target is ignored: nan, as F.cross_entropy
+        finite_scale = torch.where(count > 0, scale, 0.0)  # for gradients: zero, not nan
         w = weight.to(compute_dtype)
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grads else None
@@ -266,28 +267,34 @@ class _LinearCrossEntropy(torch.autograd.Function):
             else:
                 logits.copy_(h @ w.t())
             target_logits = logits.gather(1, safe_targets).squeeze(1)
-            # log-sum-exp by hand so the one exp pass also gives the softmax for the gradient.
-            row_max = logits.amax(dim=-1, keepdim=True)
-            exps = logits.sub_(row_max).exp_()
-            sum_exps = exps.sum(dim=-1)
-            lse = row_max.squeeze(1) + sum_exps.log()
-            loss_sum += torch.where(chunk_valid, lse - target_logits, 0.0).sum()
             if not need_grads:
+                lse = torch.logsumexp(logits, dim=-1)
+                loss_sum += torch.where(chunk_valid, lse - target_logits, 0.0).sum()
                 continue
-            row_scale = torch.where(chunk_valid, scale, 0.0)
-            probabilities = exps.mul_((row_scale / sum_exps)[:, None])  # softmax / count
-            probabilities.scatter_add_(1, safe_targets, -row_scale[:, None])
+            row_max, argmax = logits.max(dim=-1, keepdim=True)
+            # The softmax in place (one fused, row-by-row kernel); the log-sum-exp comes from the
+            # largest probability, lse = max - log p_max, which is >= 1/V and cannot underflow.
+            probabilities = torch.ops.aten._softmax.out(logits, -1, False, out=logits)
+            lse = (row_max - probabilities.gather(1, argmax).log()).squeeze(1)
+            loss_sum += torch.where(chunk_valid, lse - target_logits, 0.0).sum()
+            probabilities.scatter_add_(1, safe_targets, torch.full_like(row_max, -1.0))
+            # d loss / d logits = (softmax - one-hot) / count on valid rows: the row scale is
+            # applied to the [rows, d] operands and results, not to the [rows, V] matrix.
+            row_scale = torch.where(chunk_valid, scale, 0.0)[:, None]
+            first = start == 0  # the first chunk writes grad_weight, the others accumulate
+            if compute_dtype == torch.float32 and hidden.dtype == torch.float32:
+                torch.mm(probabilities, w, out=grad_hidden[start:start + rows]).mul_(row_scale)
+                grad_weight.addmm_(probabilities.t(), h * row_scale, beta=0.0 if first else 1.0)
+                continue
+            # Reduced precision: mask rows exactly, scale in fp32 after the matmul (1/count is
+            # not exact in bf16, and a rounded scale would bias every gradient the same way).
             grad_logits = probabilities.to(compute_dtype)
-            if hidden.dtype == compute_dtype:
-                torch.mm(grad_logits, w, out=grad_hidden[start:start + rows])
+            grad_hidden[start:start + rows] = ((grad_logits @ w).float() * row_scale).to(hidden.dtype)
+            partial = (grad_logits.t() @ (h * chunk_valid[:, None])).float() * finite_scale
+            if first:
+                grad_weight.copy_(partial)
             else:
-                grad_hidden[start:start + rows] = (grad_logits @ w).to(hidden.dtype)
-            if compute_dtype == torch.float32:  # the first chunk initialises grad_weight
-                grad_weight.addmm_(grad_logits.t(), h, beta=0.0 if start == 0 else 1.0)
-            elif start == 0:
-                grad_weight.copy_(grad_logits.t() @ h)
-            else:
-                grad_weight += (grad_logits.t() @ h).float()
+                grad_weight += partial
         if need_grads:
             ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return loss_sum * scale

@@ -46,13 +46,32 @@ def test_bf16_autocast_uses_bf16_matmuls_and_fp32_loss() -> None:
     hidden = torch.randn(64, 32, requires_grad=True)
     weight = torch.randn(50, 32, requires_grad=True)
     targets = torch.randint(0, 50, (64,))
+    targets[[3, 40]] = -1
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = linear_cross_entropy(hidden, weight, targets)
         expected = _reference(hidden, weight, targets)
     assert loss.dtype == torch.float32
     loss.backward()
     assert hidden.grad.dtype == torch.float32 and weight.grad.dtype == torch.float32
+    got_grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    expected.backward()
+    # bf16 matmuls: gradients to bf16 precision, ignored rows exactly zero.
+    torch.testing.assert_close(got_grads[0], hidden.grad, atol=2e-3, rtol=2e-2)
+    torch.testing.assert_close(got_grads[1], weight.grad, atol=2e-3, rtol=2e-2)
+    assert not got_grads[0][[3, 40]].any()
     # bf16 logits: equal to the autocast reference to bf16 precision, not to the fp32 loss.
     torch.testing.assert_close(loss, expected, atol=2e-2, rtol=0)
     fp32 = _reference(hidden, weight, targets)
     assert (loss - fp32).abs() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_target_ignored_gives_nan_loss_and_zero_gradients(dtype) -> None:
+    hidden = torch.randn(6, 8, requires_grad=True)
+    weight = torch.randn(20, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        loss = linear_cross_entropy(hidden, weight, torch.full((6,), -1))
+    assert torch.isnan(loss)
+    loss.backward()
+    assert not hidden.grad.any() and not weight.grad.any()
