@@ -52,7 +52,7 @@ class LlamaAttention(nn.Module):
             # gradient (zeros) like in any other block.
             return self.o_proj(self.q_proj(x) + self.k_proj(x) + self.v_proj(x))
         # Separate q/k/v (and gate/up) matmuls, as in transformers: one fused matmul measured
-        # ~3% slower per step on CPU (strided halves, one bigger fresh gradient buffer).
+        # no faster on CPU (docs/RESULTS.md) and leaves strided halves and a bigger gradient buffer.
         q = self.q_proj(x).view(batch, length, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(batch, length, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, length, self.n_kv_heads, self.head_dim)
