@@ -231,11 +231,12 @@ def _chunk_rows(vocab_size: int, device: torch.device) -> int:
 class _LinearCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of ``hidden @ weight.T`` without materialising the [N, V] logits.
 
-    Rows are processed in chunks; each chunk's logits become, in place, the gradient of the
-    loss with respect to them (softmax - one-hot, scaled by 1/count), which is immediately
-    multiplied into the hidden-state and weight gradients. Backward only scales those by the
-    incoming gradient. Same matmuls as the plain head + F.cross_entropy, but no [N, V]
-    log-softmax, no [N, V] gradient buffer and fewer passes over the logits, all in cache.
+    Rows are processed in chunks through one reused buffer; each chunk's logits become, in
+    place, the gradient of the loss with respect to them (softmax - one-hot; the 1/count scale
+    goes on the [rows, d] side), which is immediately multiplied into the hidden-state and
+    weight gradients. Backward only scales those by the incoming gradient. Same matmuls as the
+    plain head + F.cross_entropy, but no [N, V] log-softmax, no [N, V] gradient buffer and
+    fewer passes over the logits.
     """
 
     @staticmethod
