@@ -273,9 +273,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 loss_sum += torch.where(chunk_valid, lse - target_logits, 0.0).sum()
                 continue
             row_max, argmax = logits.max(dim=-1, keepdim=True)
-            # The softmax in place (one fused, row-by-row kernel); the log-sum-exp comes from the
-            # largest probability, lse = max - log p_max, which is >= 1/V and cannot underflow.
-            probabilities = torch.ops.aten._softmax.out(logits, -1, False, out=logits)
+            # The softmax (one fused, row-by-row kernel); the log-sum-exp comes from the largest
+            # probability, lse = max - log p_max, which is >= 1/V and cannot underflow. In place
+            # on CPU, where it is tested (tests/models/test_loss.py) and saves fresh pages;
+            # elsewhere into a new tensor (the caching allocator makes that cheap).
+            if logits.device.type == "cpu":
+                probabilities = torch.ops.aten._softmax.out(logits, -1, False, out=logits)
+            else:
+                probabilities = torch.softmax(logits, dim=-1)
             lse = (row_max - probabilities.gather(1, argmax).log()).squeeze(1)
             loss_sum += torch.where(chunk_valid, lse - target_logits, 0.0).sum()
             probabilities.scatter_add_(1, safe_targets, torch.full_like(row_max, -1.0))
