@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
 import torch
@@ -32,20 +32,16 @@ ROLLING_DOCS = [{"text": "the sun is hot and the moon is cold"},
                 {"text": " ".join(["we drink water when we are thirsty"] * 12)}]  # > 64 tokens
 
 
-def _write_task(folder: Path, name: str, dataset_lines: str) -> None:
-    write_choice_task(folder, name, dataset_lines)
+def _local_json_dataset(path: Path, docs: List[dict], cache_dir: Optional[Path] = None) -> str:
+    """Writes ``docs`` as JSON lines to ``path``; returns the task-YAML lines that load them."""
+    path.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    cache = f"  cache_dir: {cache_dir}\n" if cache_dir else ""
+    return f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {path}\n{cache}test_split: test\n"
 
 
 def _write_generation_and_rolling_tasks(folder: Path) -> None:
-    generation = folder / "tiny_gen.jsonl"
-    generation.write_text("".join(json.dumps(d) + "\n" for d in GENERATION_DOCS))
-    (folder / "tiny_gen.yaml").write_text(f"""
+    (folder / "tiny_gen.yaml").write_text(_local_json_dataset(folder / "tiny_gen.jsonl", GENERATION_DOCS) + f"""
 task: tiny_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {generation}
-test_split: test
 output_type: generate_until
 doc_to_text: "{{{{question}}}}"
 doc_to_target: " mat"
@@ -58,18 +54,11 @@ metric_list:
     aggregation: mean
     higher_is_better: true
 """)
-    rolling = folder / "tiny_rolling.jsonl"
-    rolling.write_text("".join(json.dumps(d) + "\n" for d in ROLLING_DOCS))
-    (folder / "tiny_rolling.yaml").write_text(f"""
+    (folder / "tiny_rolling.yaml").write_text(_local_json_dataset(folder / "tiny_rolling.jsonl", ROLLING_DOCS) + """
 task: tiny_rolling
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {rolling}
-test_split: test
 output_type: loglikelihood_rolling
 doc_to_text: ""
-doc_to_target: "{{{{text}}}}"
+doc_to_target: "{{text}}"
 metric_list:
   - metric: word_perplexity
   - metric: byte_perplexity
@@ -106,10 +95,7 @@ def _our_continuation_logprob(model, tokenizer, context: str, continuation: str)
 def evaluated(checkpoint: Path, tmp_path_factory) -> Dict[str, object]:
     """One CLI run on the custom task (each run pays for importing lm-eval in a fresh process)."""
     tmp_path = tmp_path_factory.mktemp("eval_run")
-    data = tmp_path / "tiny_choice.jsonl"
-    data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
-    _write_task(tmp_path / "tasks", "tiny_choice",
-                f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n")
+    write_choice_task(tmp_path / "tasks", "tiny_choice", _local_json_dataset(tmp_path / "tiny_choice.jsonl", DOCS))
     _write_generation_and_rolling_tasks(tmp_path / "tasks")
     before = set(checkpoint.glob("eval-*.json"))
     proc = _evaluate_cli([f"checkpoint={checkpoint}", "tasks=[tiny_choice,tiny_gen,tiny_rolling]",
@@ -208,7 +194,7 @@ def test_results_file_sits_next_to_the_checkpoint(checkpoint: Path, evaluated) -
 def test_hub_task_offline_fails_naming_the_offline_route(checkpoint: Path, tmp_path: Path) -> None:
     # PIQA's own hub dataset, as lm-eval's built-in piqa task loads it (without indexing the
     # ~15k built-in task files, which alone takes longer than this whole file).
-    _write_task(tmp_path / "tasks", "hub_piqa", "dataset_path: baber/piqa\nvalidation_split: validation\n")
+    write_choice_task(tmp_path / "tasks", "hub_piqa", "dataset_path: baber/piqa\nvalidation_split: validation\n")
     proc = _evaluate_cli([f"checkpoint={checkpoint}", "tasks=hub_piqa", "device=cpu",
                           f"include_path={tmp_path / 'tasks'}"], tmp_path)
     assert proc.returncode == 2
@@ -254,11 +240,8 @@ def test_in_loop_evaluation_leaves_training_state_alone(checkpoint: Path, tmp_pa
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    data = tmp_path / "loop.jsonl"
-    data.write_text("".join(json.dumps(d) + "\n" for d in DOCS[:4]))
-    _write_task(tmp_path / "tasks", "tiny_loop",
-                f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
-                f"  cache_dir: {tmp_path / 'hf_datasets'}\ntest_split: test\n")
+    write_choice_task(tmp_path / "tasks", "tiny_loop",
+                      _local_json_dataset(tmp_path / "loop.jsonl", DOCS[:4], tmp_path / "hf_datasets"))
     loaded = load_checkpoint_for_inference(checkpoint, device="cpu")
     model = loaded.model.train()
     torch.manual_seed(99), random.seed(99), np.random.seed(99)
