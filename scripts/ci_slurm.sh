@@ -18,7 +18,7 @@
 #   SCAPE_CI_KEEP=1          keep the work directory and the cluster afterwards
 #   SCAPE_CI_SKIP_GENERIC=1  skip job C
 #   SCAPE_CI_HONOR_BEGINTIME=1  let Slurm's ~2 minute hold on requeued jobs run out instead of
-#                            releasing the requeued job at once (slower; same mechanics)
+#                            releasing the requeued job after 2 s (slower; same mechanics)
 #   SCAPE_CI_JOB_TIMEOUT     seconds any one job may take (default 420)
 set -euo pipefail
 
@@ -244,7 +244,13 @@ if [[ $(job_field "$jb" JobState) == PENDING ]]; then
 fi
 say "job B checkpointed at step $p and was requeued"
 if [[ ${SCAPE_CI_HONOR_BEGINTIME:-0} != 1 && $(job_field "$jb" Reason) == BeginTime ]]; then
-    # Slurm holds a requeued job for about two minutes; release it now to keep CI short.
+    # Slurm holds a requeued job for about two minutes; release it early to keep CI short, but
+    # not at once. The hold exists because slurmd revoked the first run's credential and refuses
+    # any credential of this job created in the same second or earlier (cred_revoked compares
+    # whole seconds: ctime <= revoked). Released within that second, the job is killed as
+    # "non-startable ... Job credential revoked" and ends FAILED. Two seconds after the requeue
+    # was seen, the new credential is certainly newer than the revocation.
+    sleep 2
     scontrol update JobId="$jb" StartTime=now
 fi
 state=$(wait_job_end "$jb")
