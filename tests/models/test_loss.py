@@ -32,6 +32,32 @@ def test_matches_plain_cross_entropy_across_chunk_boundaries(monkeypatch, chunk_
     torch.testing.assert_close(got[2], weight.grad, atol=1e-6, rtol=1e-5)
 
 
+def test_extreme_and_tied_logits() -> None:
+    """The log-sum-exp is read off the largest probability: it must stay exact when every other
+    probability underflows (a loss of ~200 on a confidently wrong row), with tied maxima, and
+    far from zero."""
+    vocab = 16
+    logits = torch.zeros(5, vocab)
+    logits[0, 0] = 200.0                                  # target 3: p underflows to 0
+    logits[1, :2] = 50.0                                  # a tie for the maximum
+    logits[3] = -1000.0 - torch.arange(vocab).float()     # all logits far below zero
+    logits[4] = torch.linspace(-30.0, 30.0, vocab)
+    targets = torch.tensor([3, 1, 7, 0, 15])
+    # Identity head: the hidden states are the logits.
+    hidden = logits.clone().requires_grad_()
+    weight = torch.eye(vocab, requires_grad=True)
+    loss = linear_cross_entropy(hidden, weight, targets)
+    loss.backward()
+    got = (loss.detach(), hidden.grad.clone(), weight.grad.clone())
+    hidden.grad = weight.grad = None
+    expected = _reference(hidden, weight, targets)
+    expected.backward()
+    torch.testing.assert_close(got[0], expected.detach(), atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(got[1], hidden.grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got[2], weight.grad, atol=1e-5, rtol=1e-5)
+    assert got[0] > 40  # row 0 alone contributes 200 / 5
+
+
 def test_without_grad_and_all_ignored() -> None:
     hidden, weight = torch.randn(10, 8), torch.randn(20, 8)
     targets = torch.randint(0, 20, (10,))
