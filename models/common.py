@@ -271,10 +271,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
             else:
                 logits.copy_(h @ w_t)
             target_logits = logits.gather(1, safe_targets).squeeze(1)
-            if not need_grads:
-                lse = torch.logsumexp(logits, dim=-1)
-                loss_sum += torch.where(chunk_valid, lse - target_logits, 0.0).sum()
-                continue
             row_max = logits.amax(dim=-1, keepdim=True)  # (max with indices is ~10x slower)
             # The softmax (one fused, row-by-row kernel); the log-sum-exp comes from the largest
             # probability, lse = max - log p_max, which is >= 1/V and cannot underflow (softmax
@@ -287,6 +283,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 probabilities = torch.softmax(logits, dim=-1)
             lse = (row_max - probabilities.amax(dim=-1, keepdim=True).log()).squeeze(1)
             loss_sum += torch.where(chunk_valid, lse - target_logits, 0.0).sum()
+            if not need_grads:  # (the same loss as with gradients, to the last bit)
+                continue
             probabilities.scatter_add_(1, safe_targets, torch.full_like(row_max, -1.0))
             # d loss / d logits = (softmax - one-hot) / count on valid rows: the row scale is
             # applied to the [rows, d] operands and results, not to the [rows, V] matrix.

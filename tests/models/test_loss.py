@@ -62,8 +62,10 @@ def test_without_grad_and_all_ignored() -> None:
     hidden, weight = torch.randn(10, 8), torch.randn(20, 8)
     targets = torch.randint(0, 20, (10,))
     with torch.no_grad():
-        torch.testing.assert_close(linear_cross_entropy(hidden, weight, targets),
-                                   _reference(hidden, weight, targets))
+        evaluated = linear_cross_entropy(hidden, weight, targets)
+    torch.testing.assert_close(evaluated, _reference(hidden, weight, targets))
+    # Validation and training compute the loss the same way, to the last bit.
+    assert evaluated.item() == linear_cross_entropy(hidden.requires_grad_(), weight, targets).item()
     assert torch.isnan(linear_cross_entropy(hidden, weight, torch.full((10,), -1)))
 
 
