@@ -110,14 +110,21 @@ submit() {  # submit SCRIPT JOBNAME [sbatch flags --] OVERRIDES... -> job id
     echo "$j"
 }
 
+# A job's final states. Everything else is on the way: PENDING, RUNNING, and the transient
+# ones scontrol shows while Slurm works on a job (CONFIGURING for a moment after the allocation,
+# COMPLETING, REQUEUED, ...), or nothing when scontrol did not answer this time.
+job_ended() {  # job_ended STATE
+    [[ $1 =~ ^(BOOT_FAIL|CANCELLED|COMPLETED|DEADLINE|FAILED|NODE_FAIL|OUT_OF_MEMORY|PREEMPTED|TIMEOUT)$ ]]
+}
+
 wait_job_end() {  # wait_job_end JOBID -> prints the final state
     local j=$1 state deadline=$((SECONDS + JOB_TIMEOUT))
     while :; do
         state=$(job_field "$j" JobState)
-        case $state in
-            COMPLETED | FAILED | CANCELLED | TIMEOUT | NODE_FAIL | OUT_OF_MEMORY | BOOT_FAIL | DEADLINE | PREEMPTED)
-                echo "$state"; return 0 ;;
-        esac
+        if job_ended "$state"; then
+            echo "$state"
+            return 0
+        fi
         ((SECONDS < deadline)) || fail "job $j still ${state:-unknown} after ${JOB_TIMEOUT}s"
         sleep 1
     done
@@ -152,15 +159,19 @@ assert_checkpoint() {  # assert_checkpoint RUN_DIR STEP
     [[ -f $1/step-$2/meta.json ]] || fail "no complete checkpoint $1/step-$2 (meta.json); have: $(ls "$1")"
 }
 
+trained_steps() {  # trained_steps RUN_DIR -> training steps in metrics.jsonl so far
+    if [[ -f $1/metrics.jsonl ]]; then grep -c '"train/loss"' "$1/metrics.jsonl" || true; else echo 0; fi
+}
+
 wait_steps() {  # wait_steps RUN_DIR JOBID N: until metrics.jsonl has N training steps
-    local deadline=$((SECONDS + JOB_TIMEOUT)) n
-    while :; do
-        n=0
-        [[ -f $1/metrics.jsonl ]] && n=$(grep -c '"train/loss"' "$1/metrics.jsonl" || true)
-        ((n >= $3)) && return 0
-        [[ $(job_field "$2" JobState) == RUNNING || $(job_field "$2" JobState) == PENDING ]] \
-            || fail "job $2 ended ($(job_field "$2" JobState)) before training $3 steps"
-        ((SECONDS < deadline)) || fail "job $2 trained only $n steps in ${JOB_TIMEOUT}s"
+    local deadline=$((SECONDS + JOB_TIMEOUT)) state
+    until (($(trained_steps "$1") >= $3)); do
+        state=$(job_field "$2" JobState)
+        if job_ended "$state"; then
+            (($(trained_steps "$1") >= $3)) && break  # it got there just before ending
+            fail "job $2 ended ($state) before training $3 steps"
+        fi
+        ((SECONDS < deadline)) || fail "job $2 trained only $(trained_steps "$1") steps in ${JOB_TIMEOUT}s"
         sleep 0.3
     done
 }
@@ -195,7 +206,7 @@ say "median step ${step_s}s -> $LONG_STEPS steps for the preemption jobs"
 # Signal like --signal=B:USR1@N does (batch shell only), wait for the checkpoint, and check the
 # stopped run's files before the next job touches them.
 preempt_and_check() {  # preempt_and_check JOBID RUN_DIR -> prints P
-    local j=$1 run=$2 p st
+    local j=$1 run=$2 p st state
     wait_steps "$run" "$j" 3
     scancel --signal=USR1 --batch "$j" || fail "scancel --signal=USR1 --batch $j failed"
     say "sent SIGUSR1 to the batch shell of job $j" >&2
@@ -203,8 +214,11 @@ preempt_and_check() {  # preempt_and_check JOBID RUN_DIR -> prints P
     local deadline=$((SECONDS + JOB_TIMEOUT))
     until grep -q "job=$j restart=0 end" "$run/slurm_jobs.log" 2>/dev/null; do
         ((SECONDS < deadline)) || fail "job $j did not stop after SIGUSR1"
-        [[ $(job_field "$j" JobState) =~ ^(RUNNING|PENDING|REQUEUED|COMPLETING)$ ]] \
-            || fail "job $j ended $(job_field "$j" JobState) without a clean stop"
+        state=$(job_field "$j" JobState)
+        if job_ended "$state"; then
+            grep -q "job=$j restart=0 end" "$run/slurm_jobs.log" 2>/dev/null && break
+            fail "job $j ended $state without a clean stop"
+        fi
         sleep 0.5
     done
     st=$(grep "job=$j restart=0 end" "$run/slurm_jobs.log" | tail -n1)
