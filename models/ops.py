@@ -5,8 +5,9 @@ fresh multi-MB block is often new pages from the OS, faulted in and zeroed), and
 more in backward. RoPE written the textbook way (``x * cos + rotate_half(x) * sin``) costs five
 passes forward and about eight backward (the gradients of ``cat`` and slicing are zero-filled
 buffers); here it is two and two. SwiGLU saves only its inputs and computes its backward with
-aten's fused silu derivative, writing in place. RMSNorm gets a backward of a few passes on CPU,
-where PyTorch differentiates its composite form. Same functions as transformers'
+aten's fused silu derivative, writing in place. RMSNorm on CPU, where PyTorch runs and
+differentiates its composite form, gets a three-pass forward that keeps its 1/rms for a backward
+of a few passes. Same functions as transformers'
 LlamaForCausalLM (tests/models/test_ops.py; gradients in test_hf_parity.py); torch.compile
 traces through them like any autograd.Function.
 """
@@ -75,17 +76,17 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        # y = w * x * r, r = rsqrt(mean(x^2) + eps): three passes (F.rms_norm's CPU composite
+        # takes four and three temporaries), and r [.., 1] is kept for backward.
+        rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(eps).rsqrt_()
+        ctx.save_for_backward(x, weight, rstd)
+        return torch.mul(x, rstd).mul_(weight)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        x, weight = ctx.saved_tensors
+        x, weight, rstd = ctx.saved_tensors
         dim = x.shape[-1]
-        # y = w * x_hat, x_hat = x * r, r = rsqrt(mean(x^2) + eps): r is recomputed in one pass.
-        rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(dim).add_(ctx.eps).rsqrt_()
         normed = x * rstd
         grad_times_normed = grad * normed
         grad_weight = grad_times_normed.reshape(-1, dim).sum(0) if weight.requires_grad else None
@@ -96,9 +97,9 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """F.rms_norm over the last dimension with a fused backward on CPU, where PyTorch
-    differentiates through its composite form (~4 ms instead of ~0.7 ms for a [2048, 256]
-    input here). Elsewhere (CUDA has a fused backward kernel) it is F.rms_norm itself."""
+    """F.rms_norm over the last dimension, on CPU with fewer passes forward and a fused backward
+    (PyTorch differentiates through its composite form there: ~4 ms instead of ~0.7 ms for a
+    [2048, 256] input here). Elsewhere (CUDA has a fused backward kernel) it is F.rms_norm itself."""
     if x.device.type != "cpu":
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return _RMSNorm.apply(x, weight, eps)
