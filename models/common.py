@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from models.config import ModelConfig
+from models.ops import block_causal_attention
 
 ATTENTION_CHOICES = ("auto", "sdpa", "flash")
 
@@ -65,10 +66,17 @@ def flash_attn_installed() -> bool:
     return _FLASH_ATTN is not False
 
 
+# On CPU in fp32, ``auto`` attention up to this length is models.ops.block_causal_attention (its
+# memory grows as T^2; beyond ~512 SDPA's flash kernel is the better trade).
+BLOCK_ATTENTION_MAX_LENGTH = 512
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -> torch.Tensor:
     """Causal self-attention on [B, T, H, hd] queries and [B, T, H_kv, hd] keys/values.
 
     Returns [B, T, H, hd]. flash-attn takes this layout natively; SDPA wants heads first.
+    ``auto``: flash-attn on CUDA when installed (bf16/fp16), blocked matmul attention on CPU for
+    fp32 sequences up to BLOCK_ATTENTION_MAX_LENGTH, SDPA otherwise; ``sdpa`` always SDPA.
     """
     use_flash = (backend != "sdpa" and q.is_cuda and flash_attn_installed()
                  and q.dtype in (torch.float16, torch.bfloat16))
@@ -81,6 +89,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend:
                              "train under bf16 autocast or set model.attention=sdpa or auto")
     if use_flash:
         return _FLASH_ATTN(q, k, v, causal=True)
+    if (backend == "auto" and q.device.type == "cpu" and q.dtype == torch.float32
+            and q.shape[1] <= BLOCK_ATTENTION_MAX_LENGTH):
+        return block_causal_attention(q, k, v)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     # Grouped-query attention without copying k/v per query head.
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from models.common import RotaryEmbedding
-from models.ops import apply_rotary, rms_norm, swiglu
+from models import common
+from models.ops import apply_rotary, block_causal_attention, rms_norm, swiglu
 
 
 def _values_and_grads(fn, inputs, grad_out):
@@ -55,3 +56,41 @@ def test_rms_norm_equals_pytorch_and_passes_gradcheck() -> None:
     x64 = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
     w64 = torch.randn(8, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a, w: rms_norm(a, w, 1e-6), (x64, w64))
+
+
+def _sdpa_causal(q, k, v):
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         is_causal=True, enable_gqa=k.shape[2] != q.shape[2])
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("length,heads,kv_heads", [(100, 4, 2), (64, 4, 4), (130, 6, 2), (7, 2, 1)])
+def test_block_causal_attention_equals_sdpa(length: int, heads: int, kv_heads: int) -> None:
+    """Whole blocks, a padded last block, MHA and GQA; q as a strided slice of a wider tensor."""
+    torch.manual_seed(3)
+    wide = torch.randn(2, length, heads + 1, 16)
+    k, v = torch.randn(2, length, kv_heads, 16), torch.randn(2, length, kv_heads, 16)
+    _assert_same(lambda w, k_, v_: block_causal_attention(w[:, :, :heads], k_, v_),
+                 lambda w, k_, v_: _sdpa_causal(w[:, :, :heads], k_, v_), [wide, k, v], atol=2e-6)
+
+
+def test_block_causal_attention_passes_gradcheck() -> None:
+    torch.manual_seed(4)
+    q = torch.randn(1, 70, 2, 4, dtype=torch.float64, requires_grad=True)  # two blocks, padded
+    k = torch.randn(1, 70, 1, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 70, 1, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(block_causal_attention, (q, k, v))
+
+
+def test_auto_attention_uses_blocks_on_cpu_for_short_fp32_sequences(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(common, "block_causal_attention",
+                        lambda *args: calls.append(args[0].shape[1]) or block_causal_attention(*args))
+    q, k, v = torch.randn(1, 8, 2, 4), torch.randn(1, 8, 1, 4), torch.randn(1, 8, 1, 4)
+    expected = _sdpa_causal(q, k, v)
+    for backend in ("auto", "sdpa"):
+        torch.testing.assert_close(common.causal_attention(q, k, v, backend), expected)
+    monkeypatch.setattr(common, "BLOCK_ATTENTION_MAX_LENGTH", 4)
+    common.causal_attention(q, k, v, "auto")  # longer than the limit: SDPA
+    common.causal_attention(q.double(), k.double(), v.double(), "auto")  # not fp32: SDPA
+    assert calls == [8]
