@@ -322,10 +322,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
-        if grad_loss.device.type == "cpu" and grad_loss.item() == 1.0:
+        if (grad_loss.device.type == "cpu" and not torch.compiler.is_compiling()
+                and grad_loss.item() == 1.0):
             # loss.backward(): hand the gradients over as they are (autograd takes them as the
             # parameters' .grad without a copy); a product would be one more pass and a fresh
-            # [V, d] block, which on CPU is new pages faulted in.
+            # [V, d] block, which on CPU is new pages faulted in. (Not when compiling: .item()
+            # would break the graph.)
             return grad_hidden, grad_weight, None, None, None
         return grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss.to(grad_weight.dtype), \
             None, None, None

@@ -14,8 +14,6 @@ on CPU as blocked batched matmuls (used by models.common.causal_attention; both 
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
@@ -25,6 +23,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) 
     """Rotate each (x1, x2) half-pair by +angle (sign=1) or -angle (sign=-1) into a new tensor."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace out= into views (a graph break whose resumed graph Inductor then
+        # fails to lower); the compiler fuses this functional form into one pass anyway.
+        return torch.cat((x1 * cos - sign * x2 * sin, x2 * cos + sign * x1 * sin), dim=-1)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out1, out2 = out[..., :half], out[..., half:]
     torch.mul(x1, cos, out=out1)
@@ -114,7 +116,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 ATTENTION_BLOCK = 64  # query positions per block
 
 
-@functools.lru_cache(maxsize=64)
 def _block_mask(start: int, end: int, group: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Additive causal mask [(end - start) * group, end]: row (t, g) sees keys 0..t."""
     query = torch.arange(start, end, device=device).repeat_interleave(group)
