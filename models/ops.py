@@ -146,18 +146,13 @@ class _BlockCausalAttention(torch.autograd.Function):
         batch, length, heads, dim = q.shape
         kv_heads = k.shape[2]
         group = heads // kv_heads
-        blocks = -(-length // ATTENTION_BLOCK)
-        padded = blocks * ATTENTION_BLOCK
-        if padded != length:
-            pad = (0, 0, 0, 0, 0, padded - length)
-            q, k, v = F.pad(q, pad), F.pad(k, pad), F.pad(v, pad)
-        queries = q.reshape(batch, blocks, ATTENTION_BLOCK, kv_heads, group, dim).permute(1, 0, 3, 2, 4, 5) \
-            .reshape(blocks, batch * kv_heads, ATTENTION_BLOCK * group, dim)
-        keys = k.transpose(1, 2).reshape(batch * kv_heads, padded, dim)
-        values = v.transpose(1, 2).reshape(batch * kv_heads, padded, dim)
+        queries = _to_blocks(q, kv_heads)
+        padded = queries.shape[0] * ATTENTION_BLOCK
+        keys = _padded(k, padded).transpose(1, 2).reshape(batch * kv_heads, padded, dim)
+        values = _padded(v, padded).transpose(1, 2).reshape(batch * kv_heads, padded, dim)
         out = torch.empty_like(queries)
         probabilities = []
-        for i in range(blocks):
+        for i in range(queries.shape[0]):
             end = (i + 1) * ATTENTION_BLOCK
             mask = _block_mask(i * ATTENTION_BLOCK, end, group, q.device, q.dtype)
             scores = torch.baddbmm(mask, queries[i], keys[:, :end].transpose(1, 2), alpha=dim ** -0.5)
@@ -173,12 +168,9 @@ class _BlockCausalAttention(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         queries, keys, values, *probabilities = ctx.saved_tensors
         batch, length, heads, kv_heads, group, dim = ctx.shape
-        blocks, padded = len(probabilities), keys.shape[1]
+        padded = keys.shape[1]
         scale = dim ** -0.5
-        if padded != length:
-            grad = F.pad(grad, (0, 0, 0, 0, 0, padded - length))
-        grad_out = grad.reshape(batch, blocks, ATTENTION_BLOCK, kv_heads, group, dim).permute(1, 0, 3, 2, 4, 5) \
-            .reshape(blocks, batch * kv_heads, ATTENTION_BLOCK * group, dim)
+        grad_out = _to_blocks(grad, kv_heads)
         grad_queries = torch.empty_like(queries)
         grad_keys = torch.zeros_like(keys)
         grad_values = torch.zeros_like(values)
@@ -196,9 +188,24 @@ class _BlockCausalAttention(torch.autograd.Function):
                 grad_values.view(batch, kv_heads, padded, dim)[:, :, :length].transpose(1, 2))
 
 
+def _padded(x: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, T, H, hd] zero-padded along T to ``length``."""
+    return x if x.shape[1] == length else F.pad(x, (0, 0, 0, 0, 0, length - x.shape[1]))
+
+
+def _to_blocks(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, T, H, hd] -> [blocks, B * H_kv, 64 * G, hd], zero-padded to whole blocks."""
+    batch, length, heads, dim = x.shape
+    blocks = -(-length // ATTENTION_BLOCK)
+    x = _padded(x, blocks * ATTENTION_BLOCK)
+    group = heads // kv_heads
+    return x.reshape(batch, blocks, ATTENTION_BLOCK, kv_heads, group, dim).permute(1, 0, 3, 2, 4, 5) \
+        .reshape(blocks, batch * kv_heads, ATTENTION_BLOCK * group, dim)
+
+
 def _from_blocks(x: torch.Tensor, batch: int, length: int, heads: int, kv_heads: int, group: int,
                  dim: int) -> torch.Tensor:
-    """[blocks, B * H_kv, 64 * G, hd] -> [B, T, H, hd] (contiguous, padding dropped)."""
+    """The inverse of _to_blocks: -> [B, T, H, hd], padding dropped."""
     blocks = x.shape[0]
     x = x.view(blocks, batch, kv_heads, ATTENTION_BLOCK, group, dim).permute(1, 0, 3, 2, 4, 5)
     return x.reshape(batch, blocks * ATTENTION_BLOCK, heads, dim)[:, :length]

@@ -103,3 +103,21 @@ def test_every_target_ignored_gives_nan_loss_and_zero_gradients(dtype) -> None:
     assert torch.isnan(loss)
     loss.backward()
     assert not hidden.grad.any() and not weight.grad.any()
+
+
+def test_unit_gradient_handover_survives_a_second_backward_and_accumulation() -> None:
+    """loss.backward() hands the saved gradients over as they are: a retained graph's second
+    backward and the in-place accumulation into .grad must not alter what was saved."""
+    torch.manual_seed(5)
+    hidden = torch.randn(20, 8, requires_grad=True)
+    weight = torch.randn(30, 8, requires_grad=True)
+    targets = torch.randint(0, 30, (20,))
+    loss = linear_cross_entropy(hidden, weight, targets)
+    loss.backward(retain_graph=True)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    got = (hidden.grad.clone(), weight.grad.clone())
+    hidden.grad = weight.grad = None
+    _reference(hidden, weight, targets).backward()
+    torch.testing.assert_close(got[0], 3 * hidden.grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got[1], 3 * weight.grad, atol=1e-6, rtol=1e-5)
