@@ -1,0 +1,101 @@
+"""Golden losses: the first 20 training losses of three experiments on 2 gloo ranks, bit for bit.
+
+The values in golden_losses.json were produced by this file's ``--regen`` mode on the code the
+redesign started from (issue 16); any change to the step, the model's arithmetic, the data order
+or the optimizers shows up here as a mismatch. To re-pin a case after an intended change of its
+arithmetic, edit its overrides in CASES and run
+
+    OMP_NUM_THREADS=1 WANDB_MODE=disabled python -m tests.trainer.test_golden --regen CASE [CASE ...]
+
+(the cache of the tokenized corpus is rebuilt in a temporary folder unless --cache DIR is given).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+from tests.train_helpers import TINY_DATA, check, train_cli, train_losses
+
+GOLDEN = Path(__file__).with_name("golden_losses.json")
+STEPS = 20
+
+# Every case: its experiment with the schedule it ships with, stopped after STEPS steps, logged
+# every step, no validation and no periodic checkpoint (stop_after_steps writes one at the end).
+COMMON = ["logger=console", "train.log_every=1", "train.eval_every=0", "train.ckpt_every=0",
+          f"train.stop_after_steps={STEPS}", *TINY_DATA]
+
+# Per-case overrides: change a case's list (and re-pin it with --regen) to select another rule.
+# tiny_scape99 runs with the optimizer defaults of conf/optimizer/scape.yaml and
+# conf/experiment/tiny_scape99.yaml as they stood when the values were pinned (no overrides).
+CASES: Dict[str, List[str]] = {
+    "tiny_adams": ["+experiment=tiny_adams"],
+    "tiny_scape99": ["+experiment=tiny_scape99"],
+    # micro-batches of 4 (8 accumulated) so the small corpus's val split has a batch for each rank
+    "tiny_bsdp50": ["+experiment=tiny_bsdp50", "train.micro_batch_size=4"],
+}
+
+
+def run_case(name: str, out_dir: Path, cache: Path) -> List[float]:
+    args = [*CASES[name], *COMMON, f"out_dir={out_dir}", f"run_name={name}", f"data.cache_dir={cache}"]
+    check(train_cli(args, nproc=2, timeout=900))
+    losses = train_losses(out_dir / name)
+    assert sorted(losses) == list(range(1, STEPS + 1)), sorted(losses)
+    return [losses[s] for s in range(1, STEPS + 1)]
+
+
+def _golden() -> Dict[str, dict]:
+    return json.loads(GOLDEN.read_text())
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_first_losses_are_bit_for_bit_the_pinned_ones(name, tmp_path, prepared_cache):
+    pinned = _golden()[name]
+    assert pinned["overrides"] == CASES[name], (
+        f"{name}: its overrides changed since the values were pinned; re-pin with --regen {name}")
+    losses = run_case(name, tmp_path, prepared_cache)
+    mismatch = [(s + 1, got, want) for s, (got, want) in enumerate(zip(losses, pinned["losses"])) if got != want]
+    assert not mismatch, f"{name}: (step, got, pinned) {mismatch[:5]}"
+
+
+def _regen(names: List[str], cache: str | None) -> None:
+    from tests.conftest import REPO  # noqa: F401 - puts the repository on sys.path
+    golden = _golden() if GOLDEN.is_file() else {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp)
+        if cache is None:
+            cache_dir = tmp_path / "cache"
+            _prepare_cache(cache_dir)
+        else:
+            cache_dir = Path(cache)
+        for name in names:
+            golden[name] = {"overrides": CASES[name], "losses": run_case(name, tmp_path / "runs", cache_dir)}
+            print(f"{name}: {golden[name]['losses'][:3]} ...", flush=True)
+    GOLDEN.write_text(json.dumps(golden, indent=1) + "\n")
+
+
+def _prepare_cache(cache: Path) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from data import prepare
+    from tests.conftest import REPO
+    from trainer.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*TINY_DATA, f"data.cache_dir={cache}"])
+    prepare(cfg.data, cfg.tokenizer)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--regen", nargs="+", choices=sorted(CASES), required=True)
+    parser.add_argument("--cache", default=None)
+    ns = parser.parse_args()
+    _regen(ns.regen, ns.cache)
+    sys.exit(0)
