@@ -17,8 +17,9 @@ register_configs()
 def main(cfg: DictConfig) -> None:
     from data import DataPipelineError
     from trainer.checkpoint import CheckpointError
-    from trainer.comm import CollectiveError
-    from trainer.loop import RankZeroError, run
+    from core.comm import CollectiveError
+    from core.distributed import RankZeroError
+    from trainer.loop import run
 
     try:
         run(cfg)

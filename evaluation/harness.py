@@ -216,14 +216,14 @@ def results_path(checkpoint_dir: Path, now: Optional[datetime.datetime] = None) 
 def wandb_mode_for_run(requested: str, run_config: Dict[str, Any]) -> str:
     """``auto`` follows the training run: no wandb if it logged none, else online with an API
     key and offline without (trainer/metrics.py's rule)."""
-    from trainer.metrics import _wandb_mode
+    from core.wandb_run import wandb_mode
 
     if requested not in ("auto", "online", "offline", "disabled"):
         raise DownstreamEvalError(f"wandb={requested!r}: expected auto, online, offline or disabled")
     if requested != "auto":
         return requested
     run_setting = str((run_config.get("logger") or {}).get("wandb", "disabled"))
-    return "disabled" if run_setting == "disabled" else _wandb_mode(run_setting)
+    return "disabled" if run_setting == "disabled" else wandb_mode(run_setting)
 
 
 def log_to_wandb(metrics: Dict[str, float], *, run_name: str, run_config: Dict[str, Any],
@@ -239,14 +239,14 @@ def log_to_wandb(metrics: Dict[str, float], *, run_name: str, run_config: Dict[s
         return None
     import wandb
 
-    from trainer.metrics import _wandb_id
+    from core.wandb_run import wandb_id
 
     logger_cfg = run_config.get("logger") or {}
     run = wandb.init(
         project=logger_cfg.get("project") or "scape-sdp", entity=logger_cfg.get("entity"),
         group=logger_cfg.get("group"),
         name=run_name if resume_run else f"{run_name}-eval",
-        id=_wandb_id(run_name) if resume_run else None,
+        id=wandb_id(run_name) if resume_run else None,
         resume="allow" if resume_run else None, job_type="eval", dir=str(run_dir), mode=mode,
         config=None if resume_run else run_config)
     run.define_metric("eval/step")

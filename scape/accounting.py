@@ -1,4 +1,4 @@
-"""The analytic byte formula for SCAPE and dense steps (docs/SCAPE.md), in trainer.comm's convention.
+"""The analytic byte formula for SCAPE and dense steps (docs/SCAPE.md), in core.comm's convention.
 
 Bytes sent per rank per step, ring algorithms: an all-reduce of S bytes over N ranks sends
 2 (N - 1) / N * S; an all-gather whose local part is S bytes sends (N - 1) S. The benchmark
@@ -10,7 +10,7 @@ from typing import Dict, Optional
 
 from scape import transport
 from scape.partition import Partitioning
-from trainer.comm import all_gather_bytes, all_reduce_bytes
+from core.comm import all_gather_bytes, all_reduce_bytes
 
 VALUE_BYTES = {"fp32": 4, "bf16": 2}
 

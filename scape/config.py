@@ -1,24 +1,18 @@
 """The optimizer selector's config schema (Hydra group ``optimizer``).
 
-One dataclass for AdamW, AdamS and SCAPE: the SCAPE keys (docs/specs/SCAPE.md, "Options")
-are ignored by the dense optimizers.
+One dataclass for AdamW, AdamS and SCAPE: the keys every optimizer reads come from
+core.optim.DenseOptimizerConfig; the SCAPE keys (docs/specs/SCAPE.md, "Options") are ignored by
+the dense optimizers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import List
+from dataclasses import dataclass
+
+from core.optim import DenseOptimizerConfig
 
 
 @dataclass
-class OptimizerConfig:
-    name: str = "adamw"  # adamw | adams | scape
-    lr: float = 3e-3
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    weight_decay: float = 0.1  # on tensors with ndim >= 2 only
-    grad_clip: float = 1.0  # 0 = off
-    warmup_steps: int = 20
-    min_lr_ratio: float = 0.1  # cosine floor, as a fraction of lr
+class OptimizerConfig(DenseOptimizerConfig):
     # --- SCAPE ---
     sparsity: float = 0.99
     dense_warmup_steps: int = 1

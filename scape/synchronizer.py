@@ -22,6 +22,9 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from core.comm import Collectives
+from core.flat import FlatParameters
+from core.sync import GradientSynchronizer
 from scape import kernels, transport
 from scape.config import OptimizerConfig
 from scape.options import as_dataclass, validate_config
@@ -30,8 +33,6 @@ from scape.residual import DEFAULT_CHUNK_NUMEL, Residual
 from scape.timing import StepTimers
 from scape.topk import topk_mask
 from scape.update import ScapeOptimizer
-from trainer import comm
-from trainer.grad_sync import FlatParameters, GradientSynchronizer
 
 _TIMERS = ("topk", "pack", "wait")
 
@@ -53,7 +54,7 @@ class ScapeSynchronizer(GradientSynchronizer):
 
     def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig,
                  num_partitions: Optional[int] = None,
-                 residual_chunk_numel: int = DEFAULT_CHUNK_NUMEL) -> None:
+                 residual_chunk_numel: int = DEFAULT_CHUNK_NUMEL, comm: Optional[Collectives] = None) -> None:
         cfg = as_dataclass(cfg)
         validate_config(cfg)
         self.cfg = cfg
@@ -75,7 +76,7 @@ class ScapeSynchronizer(GradientSynchronizer):
         self.device = self.flat.data.device
         optimizer = ScapeOptimizer(self.flat.data, sum(p.numel() for p in decay), cfg.lr, cfg.betas,
                                    cfg.eps, cfg.weight_decay, cfg.base, cfg.stale_scale_cap)
-        super().__init__(model, optimizer)
+        super().__init__(model, optimizer, comm)
         self.residual = Residual(self.layout.padded_numel, self.device, cfg.offload_residual,
                                  residual_chunk_numel)
         self.score = torch.zeros(self.layout.owned_numel, dtype=torch.float32, device=self.device)
@@ -123,7 +124,7 @@ class ScapeSynchronizer(GradientSynchronizer):
         if self._dense:
             if self.cfg.lag and not self.is_dense(step + 1):
                 self._score_dense_step(grad)
-            comm.all_reduce(grad, kind="grad_allreduce")
+            self.comm.all_reduce(grad, kind="grad_allreduce")
             if self.world > 1:
                 grad.div_(self.world)
             self._ghat = grad
@@ -140,7 +141,7 @@ class ScapeSynchronizer(GradientSynchronizer):
             values = torch.empty(mask.numel(), dtype=self.value_dtype, device=self.device)
             self._contribute(grad, accumulate=False, score=False, mask=mask, values=values)
         self._sent_local = values.clone()
-        comm.all_reduce(values, kind="scape_values")
+        self.comm.all_reduce(values, kind="scape_values")
         # ghat = mean_i(b_i) / (1 - b1): one division folds both
         self._ghat = values.float().div_(self.world * (1.0 - self.beta1))
 
@@ -245,7 +246,7 @@ class ScapeSynchronizer(GradientSynchronizer):
                                     self.layout.partition_size, k)
         received = transport.receive_buffer(name, self.layout.num_partitions,
                                             self.layout.partition_size, k, self.device)
-        work = comm.all_gather_into_tensor(received, send, kind="scape_mask", async_op=async_op)
+        work = self.comm.all_gather_into_tensor(received, send, kind="scape_mask", async_op=async_op)
         self._pending = _PendingMask(step, work, received, send, k)
 
     def _own_overlap(self, chosen: torch.Tensor, k: int) -> Optional[torch.Tensor]:

@@ -29,7 +29,6 @@ import torch.multiprocessing as mp  # noqa: E402
 from models import build_model, count_parameters, load_model_config  # noqa: E402
 from scape.accounting import dense_step_bytes, scape_step_bytes  # noqa: E402
 from scape.config import OptimizerConfig  # noqa: E402
-from trainer import comm  # noqa: E402
 
 TRANSPORTS = ("bitmap", "indices", "auto")
 ARMS: List[Dict] = (
@@ -50,8 +49,8 @@ def tiny_model_config():
 
 def _build_sync(model, arm: Dict):
     from scape import build_synchronizer
-    from trainer.parts import build_optimizer
-    from trainer.grad_sync import DenseAllReduce
+    from core.optim import build_optimizer
+    from core.sync import DenseAllReduce
 
     cfg = OptimizerConfig(name=arm["optimizer"], **{k: v for k, v in arm.items()
                                                     if k not in ("name", "optimizer")})
@@ -72,7 +71,7 @@ def _counted_worker(rank: int, world: int, port: int, steps: int, out_path: str)
         sync = _build_sync(model, arm)
         per_step = []
         for step in range(1, steps + 1):
-            comm.COUNTER.reset()
+            sync.comm.counter.reset()
             sync.zero_grad()
             gen = torch.Generator().manual_seed(100 * step + rank)
             x = torch.randint(0, model_cfg.vocab_size, (2, model_cfg.seq_len), generator=gen)
@@ -81,7 +80,7 @@ def _counted_worker(rank: int, world: int, port: int, steps: int, out_path: str)
             sync.clip_gradients(1.0)
             sync.step(1e-3)
             sync.after_step()
-            per_step.append(dict(comm.COUNTER.bytes))
+            per_step.append(dict(sync.comm.counter.bytes))
         steady = per_step[1:]
         kinds = sorted({k for s in steady for k in s})
         mean = {k: sum(s.get(k, 0.0) for s in steady) / len(steady) for k in kinds}

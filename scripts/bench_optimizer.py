@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from scape.adams import AdamS  # noqa: E402
+from core.optim import AdamS  # noqa: E402
 from scape.config import OptimizerConfig  # noqa: E402
 from scape.synchronizer import ScapeSynchronizer  # noqa: E402
 

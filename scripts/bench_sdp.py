@@ -16,7 +16,7 @@ Memory method, printed with the results:
     (``/proc/self/clear_refs`` = 5), so the figure excludes the interpreter, torch and kernels but
     includes allocator slack (glibc keeps freed heap) and non-tensor memory.
   - CUDA: ``torch.cuda.max_memory_allocated`` per rank (ranks share the GPU, each its own allocator).
-Bytes are the trainer's counted collectives (trainer/comm.py: ring all-reduce bytes sent per rank).
+Bytes are the trainer's counted collectives (core/comm.py: ring all-reduce bytes sent per rank).
 """
 from __future__ import annotations
 
@@ -46,9 +46,8 @@ from models.config import ModelConfig  # noqa: E402
 from scape.config import OptimizerConfig  # noqa: E402
 from sdp.config import SDPConfig  # noqa: E402
 from sdp.layout import meta_full_model  # noqa: E402
-from trainer import comm  # noqa: E402
-from trainer.grad_sync import DenseAllReduce  # noqa: E402
-from trainer.parts import build_optimizer  # noqa: E402
+from core.sync import DenseAllReduce  # noqa: E402
+from core.optim import build_optimizer  # noqa: E402
 
 SMALL_LLAMA = dict(name="bench_llama", family="llama", n_layer=8, n_head=4, n_kv_head=4, d_model=128,
                    ffn_hidden=384, vocab_size=1024, seq_len=128)
@@ -157,7 +156,7 @@ def _measure(rank: int, world: int, case: Dict[str, Any], cfg: ModelConfig, args
     times = []
     sync.zero_grad()
     for _ in range(args["steps"]):
-        comm.COUNTER.reset()
+        sync.comm.counter.reset()
         x = torch.randint(0, cfg.vocab_size, (args["micro_batch"], cfg.seq_len + 1), generator=gen).to(device)
         t0 = time.perf_counter()
         loss = model(x[:, :-1], x[:, 1:])
@@ -170,7 +169,7 @@ def _measure(rank: int, world: int, case: Dict[str, Any], cfg: ModelConfig, args
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        step_bytes.append(dict(comm.COUNTER.bytes))
+        step_bytes.append(dict(sync.comm.counter.bytes))
     if tracker is not None:
         tracker.__exit__(None, None, None)
     if device.type == "cuda":

@@ -8,7 +8,7 @@ Every arm trains the same tiny Llama on the same corpus with the same global bat
 seed for the same number of steps, so every arm sees the same tokens; FLOP-matched SDP runs 1/C
 times the steps (sdp.flop_matched=true, as the SDP paper does), i.e. the same FLOPs as the dense
 arms. Each arm is the real trainer with real gloo collectives, so the bytes in the table are the
-ones the trainer counted (bytes sent per rank under ring algorithms, trainer/comm.py).
+ones the trainer counted (bytes sent per rank under ring algorithms, core/comm.py).
 
 The outputs go to --out (docs/results by default): NAME.md (the table), NAME.json (settings,
 machine, every arm's summary and validation curve, the targets of docs/specs/SCAPE.md and

@@ -1,20 +1,22 @@
 """Subnetwork data parallelism (docs/specs/SDP.md): the planner and holder-set aggregation.
 
-The trainer calls ``build_synchronizer`` when ``sdp.kind != none`` and ``step_budget`` for the
-step count; everything else (plan, layout, synchroniser) is reached through those two.
+Importing the package registers the synchroniser ``sdp`` with core.sync; the Trainer builds it
+through the registry when ``sdp.kind != none`` and asks it (never the config) for the step budget,
+the parameter counts, the subnetwork it computes and the model to validate.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Tuple
+from typing import Any, Tuple
 
 import torch
 
+from core.comm import Collectives
+from core.optim import build_optimizer
+from core.sync import register_synchronizer
 from sdp.config import SDPConfig
+from sdp.synchronizer import SubnetworkSynchronizer
 
-if TYPE_CHECKING:  # the synchroniser imports the trainer; keep `import sdp` light
-    from sdp.synchronizer import SubnetworkSynchronizer
-
-__all__ = ["SDPConfig", "build_synchronizer", "step_budget"]
+__all__ = ["SDPConfig", "SubnetworkSynchronizer", "build_synchronizer", "step_budget"]
 
 
 def _as_dataclass(cfg: Any, cls):
@@ -39,7 +41,8 @@ def step_budget(train_steps: int, sdp_cfg: Any) -> int:
 
 
 def build_synchronizer(model_cfg: Any, sdp_cfg: Any, opt_cfg: Any, world_size: int, rank: int,
-                       device: torch.device) -> Tuple[torch.nn.Module, "SubnetworkSynchronizer"]:
+                       device: torch.device, comm: Collectives | None = None
+                       ) -> Tuple[torch.nn.Module, SubnetworkSynchronizer]:
     """This worker's model (its subnetwork, or the full model under backward masking) and its
     synchroniser. Collective: every rank calls it (process groups are created here).
 
@@ -52,8 +55,6 @@ def build_synchronizer(model_cfg: Any, sdp_cfg: Any, opt_cfg: Any, world_size: i
     from models.config import ModelConfig
     from sdp.layout import ComponentLayout, skip_meta_init
     from sdp.plan import make_plan
-    from sdp.synchronizer import SubnetworkSynchronizer
-    from trainer.parts import build_optimizer
 
     model_cfg = _as_dataclass(model_cfg, ModelConfig)
     sdp_cfg = _as_dataclass(sdp_cfg, SDPConfig)
@@ -68,10 +69,22 @@ def build_synchronizer(model_cfg: Any, sdp_cfg: Any, opt_cfg: Any, world_size: i
         model = build_model(model_cfg, spec, device=device)
     layout = ComponentLayout(model_cfg, plan)
     sync = SubnetworkSynchronizer(model, plan, layout, rank, sdp_cfg.masking,
-                                  lambda params: build_optimizer(params, opt_cfg))
+                                  lambda params: build_optimizer(params, opt_cfg),
+                                  flop_matched_coverage=float(sdp_cfg.coverage) if sdp_cfg.flop_matched else None,
+                                  comm=comm)
     if rank == 0:
         print(f"sdp: {plan.kind} {plan.strategy} C={plan.coverage} masking={sdp_cfg.masking}, "
               f"{plan.workers} workers, {len(plan.components)} components, "
               f"{len(set(plan.holder_sets()))} holder sets; rank 0 holds {sync.held_numel:,} of "
               f"{sync.full_numel:,} parameters", flush=True)
     return model, sync
+
+
+def _build(cfg: Any, device: torch.device, comm: Collectives) -> SubnetworkSynchronizer:
+    import torch.distributed as dist
+
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    return build_synchronizer(cfg.model, cfg.sdp, cfg.optimizer, world, rank, device, comm)[1]
+
+
+register_synchronizer("sdp", _build)

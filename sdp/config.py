@@ -15,4 +15,4 @@ class SDPConfig:
     workers: Optional[int] = None  # None = the world size at launch
     groups_per_block: int = 8  # N-SDP: MLP-unit groups and head groups per block
     seed: int = 0
-    plan_path: Optional[str] = None  # a plan JSON written by `python -m sdp.plan --json`
+    plan_path: Optional[str] = None  # a plan JSON written by `python scripts/plan_sdp.py --json`

@@ -14,14 +14,12 @@ The strategies are applied per family of interchangeable components: over all bl
 and per (block, heads|mlp) for N-SDP, so that every N-SDP worker holds a share C of the heads and
 of the units of *every* block (a plan that held whole blocks would be B-SDP by another name).
 
-Run ``python -m sdp.plan model=llama500m sdp.kind=block sdp.coverage=0.5 sdp.workers=32``.
+Run ``python scripts/plan_sdp.py model=llama500m sdp.kind=block sdp.coverage=0.5 sdp.workers=32``.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -243,7 +241,7 @@ class Plan:
             raise ValueError(
                 f"the SDP plan has {self.workers} workers but the world size is {world_size}: launch "
                 f"{self.workers} ranks, or set sdp.workers={world_size} (or write a plan for "
-                f"{world_size} workers with `python -m sdp.plan ... sdp.workers={world_size} --json PATH`)")
+                f"{world_size} workers with `python scripts/plan_sdp.py ... sdp.workers={world_size} --json PATH`)")
         counts = self.assignment.sum(axis=0)
         orphans = [self.components[j].name for j in np.flatnonzero(counts == 0)]
         if orphans:
@@ -416,7 +414,7 @@ def report(plan: Plan, model_cfg: ModelConfig, optimizer: str = "adamw", micro_b
     ddp_mem = memory(total, ddp_act)
 
     # bytes a worker sends per step: one ring all-reduce per holder set it belongs to
-    from trainer.comm import all_reduce_bytes
+    from core.comm import all_reduce_bytes
     set_params: Dict[Tuple[int, ...], int] = {tuple(range(k)): always}
     for j, h in enumerate(plan.holder_sets()):
         set_params[h] = set_params.get(h, 0) + int(comp_params[j])
@@ -482,62 +480,3 @@ def format_report(rep: Dict[str, Any]) -> str:
         + ("  (disconnected: islands never mix)" if rep["spectral_gap"] == 0 else ""),
     ]
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- CLI
-
-def compose_config(overrides: List[str]):
-    """The run's config, composed from conf/ exactly as train.py composes it."""
-    from pathlib import Path
-
-    from hydra import compose, initialize_config_dir
-
-    try:
-        from trainer.config import register_configs
-        register_configs()
-    except ImportError:  # the schema needs every part's config module; compose without it
-        pass
-    conf_dir = str(Path(__file__).resolve().parent.parent / "conf")
-    with initialize_config_dir(config_dir=conf_dir, version_base=None):
-        return compose(config_name="config", overrides=overrides)
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m sdp.plan",
-        description="Print an SDP plan's report; --json PATH writes the plan (for sdp.plan_path).")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=llama500m sdp.kind=block")
-    parser.add_argument("--json", dest="json_path", default=None, help="write the plan here")
-    parser.add_argument("--report-json", default=None, help="write the report as JSON here")
-    args = parser.parse_args(argv)
-    from omegaconf import OmegaConf
-
-    cfg = compose_config(args.overrides)
-    model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
-    sdp_cfg = SDPConfig(**OmegaConf.to_container(cfg.sdp, resolve=True))
-    if sdp_cfg.kind == "none":
-        print("sdp.kind=none: nothing to plan (set sdp.kind=block or sdp.kind=neuron)", file=sys.stderr)
-        return 2
-    try:
-        plan = make_plan(model_cfg, sdp_cfg)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    micro = int(cfg.train.micro_batch_size) if "train" in cfg else 8
-    optimizer = str(cfg.optimizer.name) if "optimizer" in cfg else "adamw"
-    checkpointing = bool(cfg.train.activation_checkpointing) if "train" in cfg else False
-    rep = report(plan, model_cfg, optimizer=optimizer, micro_batch_size=micro, masking=sdp_cfg.masking,
-                 activation_checkpointing=checkpointing)
-    print(format_report(rep))
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(plan.to_json(), f)
-        print(f"plan written to {args.json_path}")
-    if args.report_json:
-        with open(args.report_json, "w") as f:
-            json.dump(rep, f, indent=2)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from core.comm import Collectives
+from core.sync import GradientSynchronizer, distinct_numel
 from models.subnet import scatter_state_dict, slice_state_dict
 from sdp.layout import ALWAYS_HELD, ComponentLayout, FullEntry, LocalPiece, meta_full_model
 from sdp.plan import Plan
-from trainer import comm
-from trainer.grad_sync import GradientSynchronizer
 
 
 @dataclass
@@ -87,10 +87,12 @@ class SubnetworkSynchronizer(GradientSynchronizer):
     """Holder-set all-reduces, one clip coefficient for all, and (backward masking) the refresh."""
 
     def __init__(self, model: nn.Module, plan: Plan, layout: ComponentLayout, rank: int,
-                 masking: str, optimizer_factory: Callable[[List[nn.Parameter]], torch.optim.Optimizer]) -> None:
+                 masking: str, optimizer_factory: Callable[[List[nn.Parameter]], torch.optim.Optimizer],
+                 flop_matched_coverage: Optional[float] = None, comm: Optional[Collectives] = None) -> None:
         if masking not in ("forward", "backward"):
             raise ValueError(f"sdp.masking must be forward or backward, got {masking!r}")
         self.plan, self.layout, self.rank, self.masking = plan, layout, rank, masking
+        self.flop_matched_coverage = flop_matched_coverage  # sdp.coverage when sdp.flop_matched
         self.world = plan.workers
         self.cfg = layout.cfg
         self.spec = plan.subnet_spec(rank)
@@ -110,7 +112,7 @@ class SubnetworkSynchronizer(GradientSynchronizer):
             s.full.grad = torch.zeros_like(s.full)
         self.held_numel = sum(t.numel() for _, t in held)
         self._refresh_by_source = self._refresh_plan()
-        super().__init__(model, optimizer_factory([t for _, t in held]))
+        super().__init__(model, optimizer_factory([t for _, t in held]), comm)
         self.params = [t for _, t in held]
 
     # ------------------------------------------------------------------ construction
@@ -221,7 +223,7 @@ class SubnetworkSynchronizer(GradientSynchronizer):
             if not bucket.reduces:
                 continue
             self._pack(bucket)
-            comm.all_reduce(bucket.buffer, kind="sdp_grad", group=bucket.group)
+            self.comm.all_reduce(bucket.buffer, kind="sdp_grad", group=bucket.group)
             bucket.buffer.div_(len(bucket.ranks))
             self._unpack(bucket)
 
@@ -262,7 +264,7 @@ class SubnetworkSynchronizer(GradientSynchronizer):
         local = torch.nn.utils.get_total_norm(parts) if parts else torch.zeros((), device=self.device)
         squares = local.double().square().reshape(1)
         if self.world > 1 and dist.is_available() and dist.is_initialized():
-            comm.all_reduce(squares, kind="sdp_norm")
+            self.comm.all_reduce(squares, kind="sdp_norm")
         total = squares.sqrt().float().reshape(())
         if max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total)
@@ -294,7 +296,7 @@ class SubnetworkSynchronizer(GradientSynchronizer):
                     part = full[e.name] if e.dim is None else full[e.name].index_select(e.dim, e.indices)
                     buffer[offset:offset + n].copy_(part.reshape(-1))
                     offset += n
-            comm.broadcast(buffer, src=source, kind="sdp_refresh")
+            self.comm.broadcast(buffer, src=source, kind="sdp_refresh")
             if self.rank != source:
                 for e, n in zip(entries, sizes):
                     target = full[e.name]
@@ -329,11 +331,26 @@ class SubnetworkSynchronizer(GradientSynchronizer):
         self._validation = (self._version, full)
         return full
 
-    def validation_model(self) -> nn.Module:
+    def validation_model(self, train_model: Optional[nn.Module] = None) -> nn.Module:
         """The model validation loss is computed with: always the full model (all components)."""
         if self.masking == "backward":
             return self.model
         return _ValidationModel(self._gather_full_model)
+
+    # ------------------------------------------------------------------ what the Trainer asks
+
+    def parameter_counts(self) -> Tuple[int, int]:
+        return distinct_numel(self.model), self.full_numel
+
+    def compute_spec(self):
+        """A forward-masked worker computes only its subnetwork; under backward masking, all of it."""
+        return self.spec if self.masking == "forward" else None
+
+    def step_budget(self, train_steps: int) -> int:
+        """With ``sdp.flop_matched`` the paper's budget, steps / C (rounded)."""
+        if self.flop_matched_coverage is None:
+            return int(train_steps)
+        return int(round(train_steps / float(self.flop_matched_coverage)))
 
     def model_state_dict(self) -> Dict[str, torch.Tensor]:
         """The full model's weights, each component from one holder (collective: every rank calls)."""

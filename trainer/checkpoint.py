@@ -26,7 +26,7 @@ from typing import Any, Dict, Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer.distributed import DistEnv, barrier
+from core.distributed import DistEnv, barrier
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 

@@ -13,16 +13,15 @@ import math
 import os
 import signal
 import time
-import traceback
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import comm
+from core.comm import Collectives, all_reduce_bytes
+from core.distributed import DistEnv, RankZeroError, barrier, init_distributed, on_main, shutdown
 from trainer.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_meta, save_checkpoint
-from trainer.distributed import DistEnv, barrier, broadcast_object, init_distributed, shutdown
 from trainer.metrics import MetricsLogger, peak_flops, peak_memory_gib
 from trainer.parts import build_model_and_sync
 from trainer.schedule import lr_at
@@ -30,10 +29,6 @@ from trainer.schedule import lr_at
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the key and the fix."""
-
-
-class RankZeroError(RuntimeError):
-    """An error rank 0 met in work done for all ranks (e.g. data preparation), re-raised everywhere."""
 
 
 def accumulation_steps(global_batch_tokens: int, micro_batch_size: int, seq_len: int, world_size: int) -> int:
@@ -81,24 +76,6 @@ def validate(cfg: DictConfig) -> None:
                           f"resume=none or the path of a step-N folder")
 
 
-def on_main(env: DistEnv, fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on rank 0 only; every rank gets its result or raises its error (no hang)."""
-    result, error = None, None
-    if env.is_main:
-        try:
-            result = fn()
-        except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
-            if env.world_size == 1:
-                raise
-            if not isinstance(exc, (ValueError, OSError)):
-                traceback.print_exc()  # a bug, not bad input: keep its traceback
-            error = f"{type(exc).__name__}: {exc}"
-    result, error = broadcast_object((result, error))
-    if error is not None:
-        raise RankZeroError(error)
-    return result
-
-
 class StopSignal:
     """SIGUSR1 / SIGTERM ask for a checkpoint and a clean exit at the next step boundary.
 
@@ -121,7 +98,7 @@ def _device_sync(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches, device: torch.device, autocast) -> float:
+def evaluate(model: torch.nn.Module, batches, device: torch.device, autocast, comm: Collectives) -> float:
     """Mean validation loss over every rank's fixed validation batches."""
     was_training = model.training
     model.eval()
@@ -190,16 +167,12 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
 
 def _train(cfg: DictConfig, env: DistEnv, stop: StopSignal) -> Dict[str, Any]:
     import data as data_pipeline
-    from models import count_parameters, flops_per_token
+    from models import flops_per_token
 
     t_cfg, o_cfg = cfg.train, cfg.optimizer
     seq_len = cfg.model.seq_len
     accum = accumulation_steps(t_cfg.global_batch_tokens, t_cfg.micro_batch_size, seq_len, env.world_size)
-    total_steps = t_cfg.steps
-    if cfg.sdp.kind != "none":
-        import sdp
-
-        total_steps = sdp.step_budget(t_cfg.steps, cfg.sdp)
+    comm = Collectives()
 
     run_dir = Path(cfg.out_dir) / cfg.run_name
     resume_from: Optional[Path] = None
@@ -222,16 +195,14 @@ def _train(cfg: DictConfig, env: DistEnv, stop: StopSignal) -> Dict[str, Any]:
                           f"{cfg.model.vocab_size}; pick a model with a vocabulary at least as large "
                           f"or a smaller tokenizer (tokenizer.vocab_size)")
 
-    model, sync = build_model_and_sync(cfg, env.world_size, env.rank, env.device)
-    n_params = count_parameters(model)
-    full_params = getattr(sync, "full_numel", None) or n_params
-    # A forward-masked SDP worker computes only its subnetwork; everyone else the full model.
-    worker_spec = getattr(sync, "spec", None) if cfg.sdp.kind != "none" and cfg.sdp.masking == "forward" else None
-    flops_tok = flops_per_token(cfg.model, worker_spec)
+    model, sync = build_model_and_sync(cfg, env.device, comm)
+    total_steps = sync.step_budget(t_cfg.steps)
+    n_params, full_params = sync.parameter_counts()
+    flops_tok = flops_per_token(cfg.model, sync.compute_spec())
     if t_cfg.activation_checkpointing:
         model.set_activation_checkpointing(True)
     train_model = torch.compile(model) if t_cfg.compile else model
-    eval_model = sync.validation_model() if hasattr(sync, "validation_model") else train_model
+    eval_model = sync.validation_model(train_model)
     use_bf16 = t_cfg.precision == "bf16" or (t_cfg.precision == "auto" and env.device.type == "cuda")
     autocast = (lambda: torch.autocast(env.device.type, dtype=torch.bfloat16)) if use_bf16 \
         else contextlib.nullcontext
@@ -259,15 +230,16 @@ def _train(cfg: DictConfig, env: DistEnv, stop: StopSignal) -> Dict[str, Any]:
     status("running", start_step)
 
     def checkpoint(step: int) -> None:
-        save_checkpoint(run_dir, step, sync, env, {
-            "config": resolved, "tokenizer_path": str(prepared / "tokenizer.json"),
-            "data": {"prepared_dir": str(prepared), "next_step": step, "seed": cfg.seed},
-            "bytes_cumulative": bytes_cumulative}, t_cfg.keep_last)
+        with sync.evaluation_weights():
+            save_checkpoint(run_dir, step, sync, env, {
+                "config": resolved, "tokenizer_path": str(prepared / "tokenizer.json"),
+                "data": {"prepared_dir": str(prepared), "next_step": step, "seed": cfg.seed},
+                "bytes_cumulative": bytes_cumulative}, t_cfg.keep_last)
 
     peak = peak_flops(env.device)
     tokens_per_step = t_cfg.global_batch_tokens
-    dense_bytes = comm.all_reduce_bytes(full_params * 4, env.world_size)
-    downstream = _downstream_evaluator(cfg, env, prepared, sync.model if cfg.sdp.kind != "none" else model)
+    dense_bytes = all_reduce_bytes(full_params * 4, env.world_size)
+    downstream = _downstream_evaluator(cfg, env, prepared, sync.downstream_model())
     batches = train_data.batches(start_step, accum)
     val_batches = val_data.eval_batches(t_cfg.eval_batches)
     last_val, best_val, nonfinite_in_row, skipped = None, math.inf, 0, 0
@@ -276,7 +248,7 @@ def _train(cfg: DictConfig, env: DistEnv, stop: StopSignal) -> Dict[str, Any]:
     sync.zero_grad()
     model.train()
     for step in range(start_step + 1, total_steps + 1):
-        comm.COUNTER.reset()
+        comm.counter.reset()
         _device_sync(env.device)
         t0 = time.perf_counter()
         t_data, loss_sum = 0.0, torch.zeros((), device=env.device)
@@ -328,7 +300,7 @@ def _train(cfg: DictConfig, env: DistEnv, stop: StopSignal) -> Dict[str, Any]:
         else:
             nonfinite_in_row = 0
         step_time = t3 - t0
-        bytes_step = comm.COUNTER.total()
+        bytes_step = comm.counter.total()
         bytes_cumulative += bytes_step
         if env.is_main and (step % t_cfg.log_every == 0 or step == start_step + 1 or step == total_steps):
             tflops = flops_tok * tokens_per_step / step_time / env.world_size / 1e12
@@ -345,11 +317,12 @@ def _train(cfg: DictConfig, env: DistEnv, stop: StopSignal) -> Dict[str, Any]:
             }
             if peak:
                 metrics["perf/mfu"] = tflops * 1e12 / peak
-            metrics.update({f"comm/bytes_{k}": v for k, v in comm.COUNTER.bytes.items()})
+            metrics.update({f"comm/bytes_{k}": v for k, v in comm.counter.bytes.items()})
             metrics.update(sync.metrics())
             logger.log(step, metrics)
         if (t_cfg.eval_every and step % t_cfg.eval_every == 0) or step == total_steps:
-            last_val = evaluate(eval_model, val_batches, env.device, autocast)
+            with sync.evaluation_weights():
+                last_val = evaluate(eval_model, val_batches, env.device, autocast, comm)
             best_val = min(best_val, last_val)
             if env.is_main:
                 logger.log(step, {"val/loss": last_val, "val/perplexity": math.exp(min(last_val, 50))})

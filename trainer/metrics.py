@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import resource
 import sys
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 import torch
+
+from core.wandb_run import wandb_id, wandb_mode
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s per device.
 _PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12,
@@ -38,14 +39,6 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
 
 
-def _wandb_mode(requested: str) -> str:
-    if requested != "auto":
-        return requested
-    has_key = bool(os.environ.get("WANDB_API_KEY")) or (Path.home() / ".netrc").is_file() and \
-        "api.wandb.ai" in (Path.home() / ".netrc").read_text(errors="ignore")
-    return "online" if has_key else "offline"
-
-
 class MetricsLogger:
     """Writes every logged step to ``metrics.jsonl`` (always), the console and wandb (if chosen)."""
 
@@ -57,13 +50,13 @@ class MetricsLogger:
         if logger_cfg.wandb not in ("auto", "online", "offline", "disabled"):
             raise ValueError(f"logger.wandb must be auto, online, offline or disabled, "
                              f"got {logger_cfg.wandb!r}")
-        mode = _wandb_mode(logger_cfg.wandb)
+        mode = wandb_mode(logger_cfg.wandb)
         if mode != "disabled":
             import wandb
 
             # The run id is the run name so a resumed or requeued job continues the same curves.
             self.wandb = wandb.init(project=logger_cfg.project, entity=logger_cfg.entity,
-                                    group=logger_cfg.group, name=run_name, id=_wandb_id(run_name),
+                                    group=logger_cfg.group, name=run_name, id=wandb_id(run_name),
                                     resume="allow", dir=str(run_dir), mode=mode, config=config)
             print(f"wandb: mode {mode}, files in {run_dir / 'wandb'}", flush=True)
 
@@ -84,10 +77,6 @@ class MetricsLogger:
         self.jsonl.close()
         if self.wandb is not None:
             self.wandb.finish()
-
-
-def _wandb_id(run_name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_" else "-" for c in run_name)[:128]
 
 
 def _plain(v: Any) -> Any:

@@ -1,47 +1,53 @@
-"""Builders that turn the config into the run's parts: optimizer, model, gradient synchroniser."""
+"""The run's parts from its config: the synchroniser (and through it the model and optimizer).
+
+Which synchroniser runs is the one decision taken from the config here; everything the Trainer
+needs to know afterwards it asks the synchroniser. scape/ and sdp/ register theirs when imported;
+the dense all-reduce is registered here because it needs the model factory.
+"""
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Any, Tuple
 
 import torch
 
-from scape.adams import AdamS
-from scape.config import OptimizerConfig
-from trainer.grad_sync import DenseAllReduce, GradientSynchronizer, param_groups
+import scape  # noqa: F401 - registers the "scape" synchroniser
+import sdp  # noqa: F401 - registers the "sdp" synchroniser
+from core.comm import Collectives
+from core.optim import build_optimizer
+from core.sync import DenseAllReduce, GradientSynchronizer, register_synchronizer, synchronizer_builder
 
 OPTIMIZERS = ("adamw", "adams", "scape")
 
 
-def build_optimizer(params: List[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """A dense optimizer over ``params``: AdamW (torch's) or AdamS, weight decay on matrices only."""
-    groups = param_groups(params, cfg.weight_decay)
-    betas = (float(cfg.betas[0]), float(cfg.betas[1]))
-    if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
-    if cfg.name == "adams":
-        return AdamS(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
-    raise ValueError(f"optimizer.name={cfg.name!r} has no dense optimizer; choose adamw or adams")
+def _build_dense(cfg: Any, device: torch.device, comm: Collectives) -> DenseAllReduce:
+    from models import build_model
+
+    model = build_model(cfg.model, device=device)
+    return DenseAllReduce(model, lambda params: build_optimizer(params, cfg.optimizer), comm)
 
 
-def build_model_and_sync(cfg, world_size: int, rank: int, device: torch.device
-                         ) -> Tuple[torch.nn.Module, GradientSynchronizer]:
-    """This rank's model and the synchroniser that owns its one gradient-crossing point.
+register_synchronizer("dense", _build_dense)
+
+
+def synchronizer_name(cfg: Any) -> str:
+    if cfg.sdp.kind != "none":
+        return "sdp"
+    return "scape" if cfg.optimizer.name == "scape" else "dense"
+
+
+def build_synchronizer(cfg: Any, device: torch.device, comm: Collectives) -> GradientSynchronizer:
+    """This rank's synchroniser; its model is ``sync.model``.
 
     Every rank seeds identically before building, so dense replicas start equal without a
     broadcast (asserted in tests).
     """
-    from models import build_model
-
     if cfg.optimizer.name not in OPTIMIZERS:
         raise ValueError(f"optimizer.name must be one of {', '.join(OPTIMIZERS)}, got {cfg.optimizer.name!r}")
     torch.manual_seed(cfg.seed)
-    if cfg.sdp.kind != "none":
-        import sdp
+    return synchronizer_builder(synchronizer_name(cfg))(cfg, device, comm)
 
-        return sdp.build_synchronizer(cfg.model, cfg.sdp, cfg.optimizer, world_size, rank, device)
-    model = build_model(cfg.model, device=device)
-    if cfg.optimizer.name == "scape":
-        import scape
 
-        return model, scape.build_synchronizer(model, cfg.optimizer)
-    return model, DenseAllReduce(model, lambda params: build_optimizer(params, cfg.optimizer))
+def build_model_and_sync(cfg: Any, device: torch.device, comm: Collectives
+                         ) -> Tuple[torch.nn.Module, GradientSynchronizer]:
+    sync = build_synchronizer(cfg, device, comm)
+    return sync.model, sync

@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from scape.adams import AdamS
+from core.optim import AdamS
 
 
 def _formula(p, g_seq, lr, b1, b2, eps, wd):

@@ -3,7 +3,6 @@ from scape.accounting import scape_step_bytes
 from scape.synchronizer import ScapeSynchronizer
 from tests.dist_helpers import run_distributed
 from tests.scape.helpers import make_model, scape_config, train
-from trainer import comm
 
 
 def _byte_counts(rank: int, world: int) -> None:
@@ -17,10 +16,10 @@ def _byte_counts(rank: int, world: int) -> None:
         counted = {}
 
         def reset(step):
-            comm.COUNTER.reset()
+            sync.comm.counter.reset()
 
         def record(step):
-            counted[step] = dict(comm.COUNTER.bytes)
+            counted[step] = dict(sync.comm.counter.bytes)
 
         train(model, sync, 3, rank, before_reduce=reset, after=record)
         expected = scape_step_bytes(sync.layout.numel, world, sparsity, transport,

@@ -1,11 +1,12 @@
 """2 gloo ranks: SCAPE at density 1 equals dense AdamS with all-reduced gradients."""
 import torch
 
-from scape.adams import AdamS
+from core.optim import AdamS
 from scape.synchronizer import ScapeSynchronizer
 from tests.dist_helpers import run_distributed
 from tests.scape.helpers import make_model, scape_config, train
-from trainer.grad_sync import DenseAllReduce, param_groups
+from core.flat import param_groups
+from core.sync import DenseAllReduce
 
 
 def _sparsity_zero_equals_dense_adams(rank: int, world: int) -> None:

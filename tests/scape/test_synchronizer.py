@@ -7,7 +7,8 @@ import torch
 from scape.synchronizer import ScapeSynchronizer
 from scape.update import ScapeOptimizer
 from tests.scape.helpers import batch, make_model, scape_config, train
-from trainer.grad_sync import DenseAllReduce, param_groups
+from core.flat import param_groups
+from core.sync import DenseAllReduce
 
 
 def test_lazy_update_moves_off_mask_weights_by_weight_decay_only():

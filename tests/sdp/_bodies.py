@@ -13,8 +13,8 @@ from models.subnet import scatter_state_dict
 from scape.config import OptimizerConfig
 from sdp.config import SDPConfig
 from sdp.layout import meta_full_model
-from trainer.grad_sync import DenseAllReduce
-from trainer.parts import build_optimizer
+from core.sync import DenseAllReduce
+from core.optim import build_optimizer
 
 SEED = 1234
 

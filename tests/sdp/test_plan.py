@@ -11,8 +11,20 @@ from models import build_model, count_parameters, load_model_config
 from models.subnet import SubnetSpec
 from sdp.config import SDPConfig
 from sdp.layout import skip_meta_init
-from sdp.plan import (Plan, cyclic_assignment, enumerate_components, main, make_plan, report,
+from sdp.plan import (Plan, cyclic_assignment, enumerate_components, make_plan, report,
                       spectral_gap, total_params)
+
+
+def main(argv):
+    """The planner's CLI, scripts/plan_sdp.py."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "plan_sdp.py"
+    spec = importlib.util.spec_from_file_location("plan_sdp", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
 
 
 def _tiny():

@@ -105,8 +105,8 @@ import sys, time
 from pathlib import Path
 import torch
 import trainer.checkpoint as ckpt
-from trainer.distributed import DistEnv
-from trainer.grad_sync import DenseAllReduce
+from core.distributed import DistEnv
+from core.sync import DenseAllReduce
 
 run, marker = Path(sys.argv[1]), Path(sys.argv[2])
 torch.manual_seed(0)
@@ -222,15 +222,15 @@ def test_too_many_nonfinite_steps_stop_the_run_keeping_the_last_good_checkpoint(
 # ---------------------------------------------------------------- a hung collective
 
 def _hang_body(rank, world):
-    from trainer import comm
+    from core.comm import CollectiveError, Collectives
 
     group = dist.new_group(ranks=[0, 1], timeout=datetime.timedelta(seconds=3), backend="gloo")
     if rank == 1:
         time.sleep(8)  # a peer that hangs: never joins the collective
         return
     start = time.time()
-    with pytest.raises(comm.CollectiveError) as info:
-        comm.all_reduce(torch.ones(4), kind="grad_allreduce", group=group)
+    with pytest.raises(CollectiveError) as info:
+        Collectives().all_reduce(torch.ones(4), kind="grad_allreduce", group=group)
     assert time.time() - start < 7, "the timeout must bound the wait"
     message = str(info.value)
     assert "rank 0" in message and "all_reduce" in message and "grad_allreduce" in message

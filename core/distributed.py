@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -84,3 +85,25 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+class RankZeroError(RuntimeError):
+    """An error rank 0 met in work done for all ranks (e.g. data preparation), re-raised everywhere."""
+
+
+def on_main(env: DistEnv, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on rank 0 only; every rank gets its result or raises its error (no hang)."""
+    result, error = None, None
+    if env.is_main:
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
+            if env.world_size == 1:
+                raise
+            if not isinstance(exc, (ValueError, OSError)):
+                traceback.print_exc()  # a bug, not bad input: keep its traceback
+            error = f"{type(exc).__name__}: {exc}"
+    result, error = broadcast_object((result, error))
+    if error is not None:
+        raise RankZeroError(error)
+    return result

@@ -1,14 +1,46 @@
-"""AdamS: Adam with the second moment replaced by the momentum itself.
+"""The dense optimizers, AdamW (torch's) and AdamS, and the config keys every optimizer shares.
 
-Formula and defaults: docs/specs/SCAPE.md, "AdamS (dense)" (official reference:
+AdamS: Adam with the second moment replaced by the momentum itself. Formula and defaults: docs/specs/SCAPE.md, "AdamS (dense)" (official reference:
 pku-huzhang/AdamS). One state buffer per parameter (half of AdamW's optimizer memory); the
 update |m_t / c| / denom is bounded, which is what lets SCAPE feed it sparse, stale statistics.
 """
 from __future__ import annotations
 
-from typing import Iterable, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Iterable, List, Tuple
 
 import torch
+
+from core.flat import param_groups
+
+DENSE_OPTIMIZERS = ("adamw", "adams")
+
+
+@dataclass
+class DenseOptimizerConfig:
+    """The keys of the Hydra group ``optimizer`` that every optimizer reads (SCAPE adds its own
+    in scape/config.py); the learning-rate schedule and clipping are the Trainer's."""
+    name: str = "adamw"  # adamw | adams | scape
+    lr: float = 3e-3
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # on tensors with ndim >= 2 only
+    grad_clip: float = 1.0  # 0 = off
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1  # cosine floor, as a fraction of lr
+
+
+def build_optimizer(params: List[torch.nn.Parameter], cfg: Any) -> torch.optim.Optimizer:
+    """A dense optimizer over ``params``: AdamW (torch's) or AdamS, weight decay on matrices only.
+
+    ``cfg`` is anything with the fields of ``DenseOptimizerConfig``."""
+    groups = param_groups(params, cfg.weight_decay)
+    betas = (float(cfg.betas[0]), float(cfg.betas[1]))
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
+    if cfg.name == "adams":
+        return AdamS(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
+    raise ValueError(f"optimizer.name={cfg.name!r} has no dense optimizer; choose adamw or adams")
 
 
 class AdamS(torch.optim.Optimizer):

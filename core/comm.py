@@ -1,8 +1,8 @@
 """Counted collectives: the one place where bytes crossing ranks are measured.
 
 Every collective the trainer makes (dense all-reduce, SCAPE's sparse all-reduce and mask
-all-gather, SDP's holder-group all-reduces) goes through these wrappers so the per-step byte
-counts by kind are complete by construction.
+all-gather, SDP's holder-group all-reduces) goes through a ``Collectives`` object so the per-step
+byte counts by kind are complete by construction.
 
 Bytes are "bytes sent per rank" under the bandwidth-optimal ring algorithms (the convention of
 nccl-tests' bus bandwidth): an all-reduce of S bytes over N ranks sends 2 (N - 1) / N * S, an
@@ -53,9 +53,6 @@ class CommCounter:
         return float(sum(self.bytes.values()))
 
 
-COUNTER = CommCounter()
-
-
 class CollectiveError(RuntimeError):
     """A collective failed or timed out; the message names this rank, the operation and the kind."""
 
@@ -72,36 +69,43 @@ def _guarded(op_name: str, kind: str, group, fn):
             f"died or hangs; the wait is bounded by train.dist_timeout_s. Resume with resume=auto.") from exc
 
 
-def all_reduce(tensor: torch.Tensor, kind: str, op=None, group=None, async_op: bool = False):
-    """``dist.all_reduce`` counted under ``kind``; a no-op outside a process group."""
-    world = _group_size(group)
-    COUNTER.add(kind, all_reduce_bytes(tensor.numel() * tensor.element_size(), world))
-    if world <= 1:
-        return None
-    return _guarded("all_reduce", kind, group, lambda: dist.all_reduce(
-        tensor, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op))
+class Collectives:
+    """The collectives one owner makes, each counted on ``counter`` under its kind.
 
+    The Trainer creates one and hands it to the synchroniser it builds, so the per-step counts it
+    reads are complete; a synchroniser built on its own (tests, benchmarks) gets a fresh one.
+    """
 
-def all_gather_into_tensor(output: torch.Tensor, local: torch.Tensor, kind: str, group=None,
-                           async_op: bool = False):
-    """``dist.all_gather_into_tensor`` counted under ``kind``; a copy outside a process group."""
-    world = _group_size(group)
-    COUNTER.add(kind, all_gather_bytes(local.numel() * local.element_size(), world))
-    if world <= 1:
-        output.copy_(local.reshape(output.shape))
-        return None
-    # all_gather_single is the name from torch 2.12 on; older releases only have the other one.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return _guarded("all_gather", kind, group, lambda: gather(output, local, group=group, async_op=async_op))
+    def __init__(self, counter: Optional[CommCounter] = None) -> None:
+        self.counter = counter if counter is not None else CommCounter()
 
+    def all_reduce(self, tensor: torch.Tensor, kind: str, op=None, group=None, async_op: bool = False):
+        """``dist.all_reduce`` counted under ``kind``; a no-op outside a process group."""
+        world = _group_size(group)
+        self.counter.add(kind, all_reduce_bytes(tensor.numel() * tensor.element_size(), world))
+        if world <= 1:
+            return None
+        return _guarded("all_reduce", kind, group, lambda: dist.all_reduce(
+            tensor, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op))
 
-def broadcast(tensor: torch.Tensor, src: int, kind: str, group=None, async_op: bool = False):
-    """``dist.broadcast`` counted under ``kind`` (only the source sends)."""
-    world = _group_size(group)
-    if world <= 1:
-        return None
-    rank = dist.get_rank()
-    if rank == src:
-        COUNTER.add(kind, float(tensor.numel() * tensor.element_size()))
-    return _guarded("broadcast", kind, group, lambda: dist.broadcast(tensor, src=src, group=group,
-                                                                       async_op=async_op))
+    def all_gather_into_tensor(self, output: torch.Tensor, local: torch.Tensor, kind: str, group=None,
+                               async_op: bool = False):
+        """``dist.all_gather_into_tensor`` counted under ``kind``; a copy outside a process group."""
+        world = _group_size(group)
+        self.counter.add(kind, all_gather_bytes(local.numel() * local.element_size(), world))
+        if world <= 1:
+            output.copy_(local.reshape(output.shape))
+            return None
+        # all_gather_single is the name from torch 2.12 on; older releases only have the other one.
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return _guarded("all_gather", kind, group, lambda: gather(output, local, group=group, async_op=async_op))
+
+    def broadcast(self, tensor: torch.Tensor, src: int, kind: str, group=None, async_op: bool = False):
+        """``dist.broadcast`` counted under ``kind`` (only the source sends)."""
+        world = _group_size(group)
+        if world <= 1:
+            return None
+        if dist.get_rank() == src:
+            self.counter.add(kind, float(tensor.numel() * tensor.element_size()))
+        return _guarded("broadcast", kind, group, lambda: dist.broadcast(tensor, src=src, group=group,
+                                                                           async_op=async_op))

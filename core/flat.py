@@ -1,0 +1,44 @@
+"""All trainable parameters and their gradients as views into two flat fp32 buffers."""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List
+
+import torch
+
+
+class FlatParameters:
+    """All trainable parameters and their gradients as views into two flat fp32 buffers.
+
+    One contiguous buffer lets a synchroniser reduce gradients with one collective and lets
+    SCAPE partition the parameter space. ``pad_to`` pads the length to a multiple (SCAPE's equal
+    partitions); the padding stays zero.
+    """
+
+    def __init__(self, params: List[torch.nn.Parameter], pad_to: int = 1) -> None:
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        self.padded_numel = int(math.ceil(self.numel / pad_to) * pad_to) if pad_to > 1 else self.numel
+        device = params[0].device
+        self.data = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
+        self.grad = torch.zeros_like(self.data)
+        offset = 0
+        self.offsets: List[int] = []
+        for p in params:
+            n = p.numel()
+            self.data[offset:offset + n].copy_(p.detach().reshape(-1))
+            p.data = self.data[offset:offset + n].view_as(p)
+            p.grad = self.grad[offset:offset + n].view_as(p)
+            self.offsets.append(offset)
+            offset += n
+
+    def zero_grad(self) -> None:
+        self.grad.zero_()
+
+
+def param_groups(params: List[torch.nn.Parameter], weight_decay: float) -> List[Dict[str, Any]]:
+    """Weight decay on matrices only (ndim >= 2), never on norms and biases (nanoGPT's rule)."""
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]

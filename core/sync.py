@@ -1,0 +1,164 @@
+"""The gradient-synchronisation seam: the interface the Trainer talks to, and the dense one.
+
+DESIGN.md: dense all-reduce, SCAPE and SDP each own exactly one place where gradients cross ranks,
+and the Trainer does not know which one runs. A synchroniser owns the optimizer too, because
+SCAPE's communication and update are one algorithm (its mask comes from the momentum) and SDP
+keeps optimizer state only for held parameters.
+
+The step (trainer/step.py) calls, once per optimizer step, after the micro-batches' backward passes:
+
+    sync.reduce_gradients()          # the collective(s); timed as communication
+    norm = sync.clip_gradients(max)  # returns the pre-clip global norm
+    sync.step(lr)                    # the update; timed as optimizer
+    sync.after_step()                # e.g. SCAPE starts its async mask all-gather
+
+and between steps ``sync.zero_grad()``. Everything else the Trainer needs to know is asked here,
+never of the config: ``parameter_counts``, ``compute_spec`` (for FLOPs), ``step_budget``,
+``validation_model``, ``evaluation_weights``, ``metrics``. Checkpoints call ``state_dict``
+(replicated state, written by rank 0), ``local_state_dict`` (this rank's own, e.g. SCAPE's
+residual, written by every rank) and ``model_state_dict`` (the full model's weights).
+
+scape/ and sdp/ register their builders with ``register_synchronizer``; the Trainer looks them
+up by name with ``synchronizer_builder``.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from core.comm import Collectives
+from core.flat import FlatParameters
+
+
+def distinct_numel(module: torch.nn.Module) -> int:
+    """Distinct parameters (a tied tensor counts once), trainable or not."""
+    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+
+
+class GradientSynchronizer:
+    """Base class: the optimizer step and the bookkeeping every synchroniser shares."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 comm: Optional[Collectives] = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.comm = comm if comm is not None else Collectives()
+
+    # --- the step ------------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=False)
+
+    def reduce_gradients(self) -> None:
+        raise NotImplementedError
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """Global L2 norm of the (already reduced, hence replicated) gradients; clip if max_norm > 0."""
+        if max_norm > 0:
+            return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        return float(torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(p.grad) for p in self.params])))
+
+    def step(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+
+    def after_step(self) -> None:
+        pass
+
+    # --- what the Trainer asks -----------------------------------------------------------------
+    def parameter_counts(self) -> Tuple[int, int]:
+        """(parameters this rank's model holds, parameters of the full model)."""
+        n = distinct_numel(self.model)
+        return n, n
+
+    def compute_spec(self) -> Any:
+        """The subnetwork this rank computes, for FLOP counting; None = the full model."""
+        return None
+
+    def step_budget(self, train_steps: int) -> int:
+        """Optimizer steps to run for ``train.steps`` (SDP's FLOP-matched budget differs)."""
+        return int(train_steps)
+
+    def validation_model(self, train_model: Optional[torch.nn.Module] = None) -> torch.nn.Module:
+        """The module validation loss is computed with (default: the one that trains, e.g. the
+        compiled model the Trainer passes in)."""
+        return train_model if train_model is not None else self.model
+
+    def downstream_model(self) -> torch.nn.Module:
+        """The model in-loop downstream evaluation scores on rank 0."""
+        return self.model
+
+    @contextlib.contextmanager
+    def evaluation_weights(self) -> Iterator[None]:
+        """Inside, the model holds the weights to validate and save (default: the trained ones)."""
+        yield
+
+    def metrics(self) -> Dict[str, float]:
+        """Extra per-step metrics (prefixed scape/, sdp/, ...)."""
+        return {}
+
+    # --- checkpoint state ----------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def local_state_dict(self) -> Dict[str, Any]:
+        return {}
+
+    def load_local_state_dict(self, state: Dict[str, Any]) -> None:
+        pass
+
+    def model_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The full model's weights for checkpoints and export (collective for SDP; every rank calls)."""
+        return self.model.state_dict()
+
+    def load_model_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            self.model.load_state_dict(state)
+
+
+class DenseAllReduce(GradientSynchronizer):
+    """Data parallelism as DDP does it: the mean gradient over all ranks, one flat collective.
+
+    The all-reduce runs after the last micro-batch's backward (not overlapped with it) so that
+    communication time is measured on its own and compares like for like with SCAPE and SDP.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer_factory: Callable[[List[torch.nn.Parameter]],
+                 torch.optim.Optimizer], comm: Optional[Collectives] = None) -> None:
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.flat = FlatParameters(params)
+        super().__init__(model, optimizer_factory(params), comm)
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+
+    def zero_grad(self) -> None:
+        self.flat.zero_grad()
+
+    def reduce_gradients(self) -> None:
+        if self.world > 1:
+            self.comm.all_reduce(self.flat.grad, kind="grad_allreduce")
+            self.flat.grad.div_(self.world)
+
+
+# A builder takes (run config, device, collectives) and returns the synchroniser; its model is
+# ``sync.model``. The run config is duck-typed here: this layer knows no config schema above it.
+SynchronizerBuilder = Callable[[Any, torch.device, Collectives], GradientSynchronizer]
+_BUILDERS: Dict[str, SynchronizerBuilder] = {}
+
+
+def register_synchronizer(name: str, builder: SynchronizerBuilder) -> None:
+    """Offer a synchroniser under ``name`` (scape/ and sdp/ do this when imported)."""
+    _BUILDERS[name] = builder
+
+
+def synchronizer_builder(name: str) -> SynchronizerBuilder:
+    if name not in _BUILDERS:
+        raise ValueError(f"no gradient synchroniser named {name!r}; registered: {', '.join(sorted(_BUILDERS))}")
+    return _BUILDERS[name]
