@@ -19,7 +19,7 @@ def main(cfg: DictConfig) -> None:
     from trainer.checkpoint import CheckpointError
     from core.comm import CollectiveError
     from core.distributed import RankZeroError
-    from trainer.loop import run
+    from trainer.trainer import run
 
     try:
         run(cfg)

@@ -29,6 +29,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from models import build_model, count_parameters, load_model_config  # noqa: E402
 from scape.accounting import dense_step_bytes, scape_step_bytes  # noqa: E402
 from scape.config import OptimizerConfig  # noqa: E402
+from trainer.step import train_step  # noqa: E402
 
 TRANSPORTS = ("bitmap", "indices", "auto")
 ARMS: List[Dict] = (
@@ -71,16 +72,12 @@ def _counted_worker(rank: int, world: int, port: int, steps: int, out_path: str)
         sync = _build_sync(model, arm)
         per_step = []
         for step in range(1, steps + 1):
-            sync.comm.counter.reset()
-            sync.zero_grad()
             gen = torch.Generator().manual_seed(100 * step + rank)
             x = torch.randint(0, model_cfg.vocab_size, (2, model_cfg.seq_len), generator=gen)
-            model(x, torch.roll(x, -1, dims=1)).backward()
-            sync.reduce_gradients()
-            sync.clip_gradients(1.0)
-            sync.step(1e-3)
-            sync.after_step()
-            per_step.append(dict(sync.comm.counter.bytes))
+            sync.comm.counter.reset()
+            train_step(model, sync, iter([(x, torch.roll(x, -1, dims=1))]), 1, 1e-3, 1.0, sync.comm, world)
+            # the gradient synchroniser's bytes; the trainer's 24-byte control all-reduce aside
+            per_step.append({k: v for k, v in sync.comm.counter.bytes.items() if k != "control"})
         steady = per_step[1:]
         kinds = sorted({k for s in steady for k in s})
         mean = {k: sum(s.get(k, 0.0) for s in steady) / len(steady) for k in kinds}

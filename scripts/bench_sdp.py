@@ -48,6 +48,7 @@ from sdp.config import SDPConfig  # noqa: E402
 from sdp.layout import meta_full_model  # noqa: E402
 from core.sync import DenseAllReduce  # noqa: E402
 from core.optim import build_optimizer  # noqa: E402
+from trainer.step import train_step  # noqa: E402
 
 SMALL_LLAMA = dict(name="bench_llama", family="llama", n_layer=8, n_head=4, n_kv_head=4, d_model=128,
                    ffn_hidden=384, vocab_size=1024, seq_len=128)
@@ -159,17 +160,10 @@ def _measure(rank: int, world: int, case: Dict[str, Any], cfg: ModelConfig, args
         sync.comm.counter.reset()
         x = torch.randint(0, cfg.vocab_size, (args["micro_batch"], cfg.seq_len + 1), generator=gen).to(device)
         t0 = time.perf_counter()
-        loss = model(x[:, :-1], x[:, 1:])
-        loss.backward()
-        del loss
-        sync.reduce_gradients()
-        sync.clip_gradients(1.0)
-        sync.step(1e-3)
-        sync.zero_grad()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        train_step(model, sync, iter([(x[:, :-1], x[:, 1:])]), 1, 1e-3, 1.0, sync.comm, world, device=device)
         times.append(time.perf_counter() - t0)
-        step_bytes.append(dict(sync.comm.counter.bytes))
+        # the gradient synchroniser's bytes; the trainer's 24-byte control all-reduce aside
+        step_bytes.append({k: v for k, v in sync.comm.counter.bytes.items() if k != "control"})
     if tracker is not None:
         tracker.__exit__(None, None, None)
     if device.type == "cuda":

@@ -2,7 +2,8 @@
 
 Read from the source with ast, every import counts: module level, inside functions and under
 ``if TYPE_CHECKING``. Two checks: no import points up a layer or sideways into another package of
-the same layer, and the module-level imports form no loop.
+the same layer, and the module-level imports form no loop. Also: no trainer function is longer than
+60 lines (issue 16).
 """
 from __future__ import annotations
 
@@ -108,3 +109,14 @@ def test_the_checker_sees_imports_inside_functions(tmp_path):
     path.write_text("import core.sync\n\ndef f():\n    from trainer.parts import build_synchronizer\n")
     found = list(_imports("scape.mod", path, {"core.sync", "trainer.parts"}))
     assert ("core.sync", 1, True) in found and ("trainer.parts", 4, False) in found
+
+
+def test_no_trainer_function_is_longer_than_60_lines():
+    long = []
+    for path in sorted((REPO / "trainer").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > 60:
+                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} has {length} lines")
+    assert not long, "\n".join(long)

@@ -21,7 +21,7 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -167,3 +167,30 @@ def load_checkpoint(ckpt: Path, sync, env: DistEnv) -> Dict[str, Any]:
     sync.load_local_state_dict(local["sync"])
     set_rng_state(local["rng"])
     return meta
+
+
+class Checkpointer:
+    """Writes the run's step-N checkpoints and decides when: every ``every`` steps (0 = never),
+    at the last step and when the job stops. Mid-trouble (non-finite steps in a row) it writes no
+    periodic checkpoint, so rotation never deletes the good ones. The model holds the weights to
+    save inside ``sync.evaluation_weights()``."""
+
+    def __init__(self, run_dir: Path, sync, env: DistEnv, every: int, keep_last: int,
+                 meta: Callable[[int], Dict[str, Any]]) -> None:
+        self.run_dir, self.sync, self.env = run_dir, sync, env
+        self.every, self.keep_last, self.meta = every, keep_last, meta
+        self.saved_at: Optional[int] = None
+
+    def due(self, step: int, last: bool, stopping: bool, in_trouble: bool) -> bool:
+        periodic = bool(self.every) and step % self.every == 0 and not in_trouble
+        return periodic or last or stopping
+
+    def save(self, step: int) -> Path:
+        with self.sync.evaluation_weights():
+            path = save_checkpoint(self.run_dir, step, self.sync, self.env, self.meta(step), self.keep_last)
+        self.saved_at = step
+        return path
+
+    def maybe_save(self, step: int, last: bool, stopping: bool, in_trouble: bool) -> None:
+        if self.due(step, last, stopping, in_trouble):
+            self.save(step)

@@ -110,3 +110,50 @@ def format_line(step: int, metrics: Dict[str, float]) -> str:
 def print_main(env_is_main: bool, *args: Any) -> None:
     if env_is_main:
         print(*args, flush=True, file=sys.stdout)
+
+
+class MetricsProcessor:
+    """Turns each step's result into the train/, perf/, mem/, comm/ and synchroniser metrics and
+    logs them every ``log_every`` steps (and at the first and last step). It also keeps the run's
+    byte total, which every rank counts (checkpoints and the summary record it)."""
+
+    def __init__(self, logger: Optional[MetricsLogger], sync, comm, log_every: int, start_step: int,
+                 total_steps: int, tokens_per_step: int, flops_per_token: float, world_size: int,
+                 device: torch.device, dense_bytes: float, bytes_cumulative: float = 0.0) -> None:
+        self.logger, self.sync, self.counter = logger, sync, comm.counter
+        self.log_every, self.start_step, self.total_steps = log_every, start_step, total_steps
+        self.tokens_per_step, self.flops_per_token, self.world_size = tokens_per_step, flops_per_token, world_size
+        self.device, self.peak, self.dense_bytes = device, peak_flops(device), dense_bytes
+        self.bytes_cumulative = bytes_cumulative
+
+    def due(self, step: int) -> bool:
+        return step % self.log_every == 0 or step == self.start_step + 1 or step == self.total_steps
+
+    def record(self, step: int, lr: float, result, skipped: int) -> None:
+        bytes_step = self.counter.total()
+        self.bytes_cumulative += bytes_step
+        if self.logger is not None and self.due(step):
+            self.logger.log(step, self.step_metrics(step, lr, result, skipped, bytes_step))
+
+    def step_metrics(self, step: int, lr: float, result, skipped: int, bytes_step: float) -> Dict[str, Any]:
+        tflops = self.flops_per_token * self.tokens_per_step / result.time_step / self.world_size / 1e12
+        metrics: Dict[str, Any] = {
+            "train/loss": result.loss, "train/lr": lr, "train/grad_norm": result.grad_norm,
+            "train/tokens": step * self.tokens_per_step, "train/skipped_steps": skipped,
+            "perf/tokens_per_s": self.tokens_per_step / result.time_step, "perf/tflops_per_device": tflops,
+            "perf/step_time_s": result.time_step, "perf/time_data_s": result.time_data,
+            "perf/time_fwd_bwd_s": result.time_fwd_bwd, "perf/time_comm_s": result.time_comm,
+            "perf/time_opt_s": result.time_opt,
+            "mem/peak_gib": peak_memory_gib(self.device),
+            "comm/bytes_total": bytes_step, "comm/bytes_cumulative": self.bytes_cumulative,
+            "comm/compression": self.dense_bytes / bytes_step if bytes_step else float("inf"),
+        }
+        if self.peak:
+            metrics["perf/mfu"] = tflops * 1e12 / self.peak
+        metrics.update({f"comm/bytes_{k}": v for k, v in self.counter.bytes.items()})
+        metrics.update(self.sync.metrics())
+        return metrics
+
+    def log(self, step: int, metrics: Dict[str, Any]) -> None:
+        if self.logger is not None:
+            self.logger.log(step, metrics)

@@ -1,4 +1,4 @@
-"""A small model, deterministic per-rank data and a loop that drives a synchroniser like the trainer."""
+"""A small model, deterministic per-rank data and a loop over the trainer's own step."""
 from __future__ import annotations
 
 from typing import Callable, List, Optional
@@ -44,26 +44,22 @@ def train(model, sync, steps: int, rank: int, start: int = 0, max_norm: float = 
           hook: Optional[Callable[[int], None]] = None,
           before_reduce: Optional[Callable[[int], None]] = None,
           after: Optional[Callable[[int], None]] = None) -> List[float]:
-    """The trainer's loop order; ``before_reduce``, ``hook`` (after reduce, before clip) and
-    ``after`` (after after_step) let tests observe each stage."""
+    """Steps of the trainer's own ``train_step``; ``before_reduce``, ``hook`` (after reduce, before
+    clip) and ``after`` (after after_step) let tests observe each stage. Returns this rank's losses."""
+    import torch.distributed as dist
+
+    from trainer.step import train_step
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
     losses = []
     for step in range(start + 1, start + steps + 1):
-        sync.zero_grad()
-        total = 0.0
-        for micro in range(accum):
-            x, y = batch(rank, step, micro)
-            loss = model(x, y)
-            (loss / accum).backward()
-            total += loss.item() / accum
-        if before_reduce is not None:
-            before_reduce(step)
-        sync.reduce_gradients()
-        if hook is not None:
-            hook(step)
-        sync.clip_gradients(max_norm)
-        sync.step(lr)
-        sync.after_step()
-        if after is not None:
-            after(step)
-        losses.append(total)
+        stages = {"before_reduce": before_reduce, "after_reduce": hook, "after_step": after}
+
+        def observe(stage: str, step: int = step) -> None:
+            if stages[stage] is not None:
+                stages[stage](step)
+
+        micro_batches = iter([batch(rank, step, micro) for micro in range(accum)])
+        result = train_step(model, sync, micro_batches, accum, lr, max_norm, sync.comm, world, hook=observe)
+        losses.append(result.local_loss)
     return losses

@@ -48,15 +48,14 @@ def batch(cfg: ModelConfig, rank: int, step: int) -> torch.Tensor:
 
 
 def train_step(model, sync, cfg: ModelConfig, rank: int, step: int, lr: float = 3e-3) -> float:
+    """One step of the trainer's own ``train_step`` on this rank's batch; the pre-clip norm."""
+    import torch.distributed as dist
+
+    from trainer.step import train_step as trainer_step
+
     x = batch(cfg, rank, step)
-    loss = model(x[:, :-1], x[:, 1:])
-    loss.backward()
-    sync.reduce_gradients()
-    norm = sync.clip_gradients(1.0)
-    sync.step(lr)
-    sync.after_step()
-    sync.zero_grad()
-    return norm
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return trainer_step(model, sync, iter([(x[:, :-1], x[:, 1:])]), 1, lr, 1.0, sync.comm, world).grad_norm
 
 
 _SHAPES: Dict[str, Dict[str, torch.Size]] = {}

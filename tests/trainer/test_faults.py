@@ -171,35 +171,31 @@ def test_corrupted_checkpoint_is_refused_with_a_clear_message(tmp_path, prepared
 def _nan_body(rank, world, cache, out_dir, arm, nan_steps, max_nonfinite, expect_failure):
     from hydra import compose, initialize_config_dir
 
-    import trainer.loop as loop
-    from trainer.config import register_configs
+    from core.distributed import init_distributed
+    from trainer.config import register_configs, validate
+    from trainer.trainer import Trainer
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[
             *TINY, *OPTIMIZER_ARMS[arm], f"data.cache_dir={cache}", f"out_dir={out_dir}", "run_name=nan",
             "train.steps=8", "train.ckpt_every=2", f"train.max_nonfinite_steps={max_nonfinite}"])
-    real_build = loop.build_model_and_sync
+    validate(cfg)
+    trainer = Trainer(cfg, init_distributed(cfg.train.device, cfg.train.dist_timeout_s)).build()
     calls = {"n": 0}
 
-    def build_with_nan(*args, **kwargs):
-        model, sync = real_build(*args, **kwargs)
+    def poison(module, inputs, output):  # rank 1 only: the ranks must agree to skip
+        if not module.training:
+            return output
+        calls["n"] += 1  # one forward per step (one micro-batch per rank)
+        return output * float("nan") if rank == 1 and calls["n"] in nan_steps else output
 
-        def poison(module, inputs, output):  # rank 1 only: the ranks must agree to skip
-            if not module.training:
-                return output
-            calls["n"] += 1  # one forward per step (one micro-batch per rank)
-            return output * float("nan") if rank == 1 and calls["n"] in nan_steps else output
-
-        model.register_forward_hook(poison)
-        return model, sync
-
-    loop.build_model_and_sync = build_with_nan
+    trainer.model.register_forward_hook(poison)
     if expect_failure:
         with pytest.raises(RuntimeError, match="non-finite steps in a row"):
-            loop.run(cfg)
+            trainer.train()
         return
-    summary = loop.run(cfg)
+    summary = trainer.train()
     assert summary["skipped_steps"] == len(nan_steps) and summary["state"] == "completed"
     assert math.isfinite(summary["final_val_loss"])
 
@@ -263,8 +259,8 @@ def _invalid_values(rng: random.Random):
 def test_config_fuzz_every_invalid_value_fails_clearly_with_no_run_dir(tmp_path, prepared_cache):
     from hydra import compose, initialize_config_dir
 
-    import trainer.loop as loop
     from trainer.config import register_configs
+    from trainer.trainer import run
 
     register_configs()
     failures = []
@@ -273,7 +269,7 @@ def test_config_fuzz_every_invalid_value_fails_clearly_with_no_run_dir(tmp_path,
             cfg = compose(config_name="config", overrides=[
                 *TINY, f"data.cache_dir={prepared_cache}", f"out_dir={tmp_path}", "run_name=fuzz", *overrides])
             try:
-                loop.run(cfg)
+                run(cfg)
                 failures.append(f"{overrides}: accepted")
             except (ValueError, RuntimeError) as exc:
                 if needle not in str(exc):

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from trainer.loop import ConfigError, accumulation_steps
+from trainer.config import ConfigError, accumulation_steps
 from trainer.schedule import lr_at
 
 

@@ -1,0 +1,279 @@
+"""The Trainer: ``build`` the run's parts from its config, ``train`` them, one ``train_step`` at a time.
+
+nanoGPT's shape (fetch the next batch, forward, backward, step) with torchtitan's services, each a
+component that decides when it acts: the Checkpointer (step-N folders with auto-resume), the
+MetricsProcessor (throughput, MFU, memory and bytes in every log line), the Validator and the
+DownstreamEvaluator. The Trainer does not know which gradient synchroniser runs; what it needs to
+know it asks the synchroniser (core/sync.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from core.comm import Collectives, all_reduce_bytes
+from core.distributed import DistEnv, barrier, init_distributed, on_main, shutdown
+from trainer.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint, read_meta
+from trainer.config import ConfigError, accumulation_steps, validate
+from trainer.metrics import MetricsLogger, MetricsProcessor
+from trainer.parts import build_model_and_sync
+from trainer.schedule import lr_at
+from trainer.step import StepResult, train_step
+from trainer.validate import DownstreamEvaluator, Validator
+
+
+class StopSignal:
+    """SIGUSR1 / SIGTERM ask for a checkpoint and a clean exit at the next step boundary.
+
+    Slurm sends SIGUSR1 before the time limit (--signal); the ranks agree on the flag through the
+    per-step control all-reduce, so ranks that did not get the signal stop too.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002
+        self.requested = True
+
+
+class NonFiniteGuard:
+    """Counts skipped (non-finite) steps; too many in a row stop the run with the last good checkpoint."""
+
+    def __init__(self, max_in_row: int) -> None:
+        self.max_in_row, self.in_row, self.skipped = max_in_row, 0, 0
+
+    def update(self, step: int, nonfinite: bool, is_main: bool) -> bool:
+        """Record ``step``; True when the run must stop."""
+        if not nonfinite:
+            self.in_row = 0
+            return False
+        self.skipped += 1
+        self.in_row += 1
+        if is_main:
+            print(f"step {step}: non-finite loss or gradient, step skipped ({self.in_row} in a row)", flush=True)
+        return self.in_row >= self.max_in_row
+
+
+def _trim_metrics(path: Path, last_step: int) -> None:
+    """Drop log lines after the resumed checkpoint so the log holds every step exactly once."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+def _write_json(path: Path, obj: Dict[str, Any]) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+class Trainer:
+    def __init__(self, cfg, env: DistEnv, stop: Optional[StopSignal] = None) -> None:
+        self.cfg, self.env = cfg, env
+        self.stop = stop if stop is not None else StopSignal()
+        self.comm = Collectives()
+        self.run_dir = Path(cfg.out_dir) / cfg.run_name
+        self.start_step, self.step = 0, 0
+
+    # ------------------------------------------------------------------------------ build
+    def build(self) -> "Trainer":
+        self._find_resume()
+        self._build_data()
+        self._build_model()
+        self._open_run()
+        self._build_components()
+        return self
+
+    def _find_resume(self) -> None:
+        cfg, self.resume_from = self.cfg, None
+        if cfg.resume == "auto":
+            self.resume_from = latest_checkpoint(self.run_dir)
+        elif cfg.resume != "none":
+            self.resume_from = Path(cfg.resume)
+            read_meta(self.resume_from)  # fails clearly if it is not a complete checkpoint
+        elif self.run_dir.exists() and any(self.run_dir.iterdir()):
+            raise ConfigError(f"run directory {self.run_dir} already holds a run; pass resume=auto to continue "
+                              f"it, or choose another run_name (or delete the folder)")
+
+    def _build_data(self) -> None:
+        import data as data_pipeline
+
+        cfg, env, t = self.cfg, self.env, self.cfg.train
+        self.accum = accumulation_steps(t.global_batch_tokens, t.micro_batch_size, cfg.model.seq_len, env.world_size)
+        self.prepared = Path(on_main(env, lambda: str(data_pipeline.prepare(cfg.data, cfg.tokenizer))))
+        self.train_data = data_pipeline.TokenLoader(self.prepared, "train", cfg.model.seq_len, t.micro_batch_size,
+                                                    env.rank, env.world_size, cfg.seed, prefetch=cfg.data.prefetch)
+        self.val_data = data_pipeline.TokenLoader(self.prepared, "val", cfg.model.seq_len, t.micro_batch_size,
+                                                  env.rank, env.world_size, cfg.seed, prefetch=0)
+        if self.train_data.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(f"the tokenizer has {self.train_data.vocab_size} tokens but model.vocab_size is "
+                              f"{cfg.model.vocab_size}; pick a model with a vocabulary at least as large "
+                              f"or a smaller tokenizer (tokenizer.vocab_size)")
+
+    def _build_model(self) -> None:
+        from models import flops_per_token
+
+        cfg, t = self.cfg, self.cfg.train
+        self.model, self.sync = build_model_and_sync(cfg, self.env.device, self.comm)
+        self.total_steps = self.sync.step_budget(t.steps)
+        self.n_params, self.full_params = self.sync.parameter_counts()
+        self.flops_per_token = flops_per_token(cfg.model, self.sync.compute_spec())
+        if t.activation_checkpointing:
+            self.model.set_activation_checkpointing(True)
+        self.train_model = torch.compile(self.model) if t.compile else self.model
+        device = self.env.device
+        use_bf16 = t.precision == "bf16" or (t.precision == "auto" and device.type == "cuda")
+        self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 \
+            else contextlib.nullcontext
+
+    def _open_run(self) -> None:
+        env, bytes_cumulative = self.env, 0.0
+        if env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        barrier()
+        if self.resume_from is not None:
+            meta = load_checkpoint(self.resume_from, self.sync, env)
+            self.start_step, bytes_cumulative = int(meta["step"]), float(meta.get("bytes_cumulative", 0.0))
+        self.step = self.start_step
+        self._bytes_at_start = bytes_cumulative
+        self.resolved = OmegaConf.to_container(self.cfg, resolve=True)
+        if env.is_main:  # e.g. a restart by torchrun --max-restarts before the first checkpoint
+            _trim_metrics(self.run_dir / "metrics.jsonl", self.start_step)
+            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
+            self._announce()
+        self.logger = MetricsLogger(self.run_dir, self.cfg.logger, self.cfg.run_name, self.resolved,
+                                    self.resume_from is not None) if env.is_main else None
+        self._status("running", self.start_step)
+
+    def _announce(self) -> None:
+        t, env = self.cfg.train, self.env
+        print(f"run {self.cfg.run_name}: {self.n_params:,} parameters on rank 0 ({self.full_params:,} in the full "
+              f"model), {self.flops_per_token / 1e6:.1f} MFLOP/token, {env.world_size} rank(s) x {self.accum} "
+              f"micro-batch(es) of {t.micro_batch_size} x {self.cfg.model.seq_len} tokens, {self.total_steps} "
+              f"steps, {'resuming from ' + str(self.resume_from) if self.resume_from else 'from scratch'}", flush=True)
+
+    def _build_components(self) -> None:
+        cfg, t, env = self.cfg, self.cfg.train, self.env
+        self.checkpointer = Checkpointer(self.run_dir, self.sync, env, t.ckpt_every, t.keep_last, self._meta)
+        self.dense_bytes = all_reduce_bytes(self.full_params * 4, env.world_size)
+        self.metrics = MetricsProcessor(self.logger, self.sync, self.comm, t.log_every, self.start_step,
+                                        self.total_steps, t.global_batch_tokens, self.flops_per_token,
+                                        env.world_size, env.device, self.dense_bytes, self._bytes_at_start)
+        self.downstream = None
+        if t.downstream_every and env.is_main:
+            from data import load_tokenizer
+
+            self.downstream = DownstreamEvaluator(self.sync, load_tokenizer(self.prepared), t.downstream_every,
+                                                  t.downstream_tasks, t.downstream_limit, t.downstream_include_path)
+        self.batches = self.train_data.batches(self.start_step, self.accum)
+        self.validator = Validator(self.sync, self.sync.validation_model(self.train_model),
+                                   self.val_data.eval_batches(t.eval_batches), env.device, self.autocast,
+                                   self.comm, t.eval_every)
+        self.guard = NonFiniteGuard(t.max_nonfinite_steps)
+
+    def _meta(self, step: int) -> Dict[str, Any]:
+        return {"config": self.resolved, "tokenizer_path": str(self.prepared / "tokenizer.json"),
+                "data": {"prepared_dir": str(self.prepared), "next_step": step, "seed": self.cfg.seed},
+                "bytes_cumulative": self.metrics.bytes_cumulative}
+
+    def _status(self, state: str, step: int) -> None:
+        if self.env.is_main:
+            _write_json(self.run_dir / "status.json", {"state": state, "step": step})
+
+    # ------------------------------------------------------------------------------ train
+    def train_step(self, step: int) -> StepResult:
+        """One optimizer step at ``step`` (1-based) with the schedule's learning rate."""
+        o = self.cfg.optimizer
+        self.comm.counter.reset()
+        self.lr = lr_at(step, o.lr, o.warmup_steps, self.total_steps, o.min_lr_ratio)
+        return train_step(self.train_model, self.sync, self.batches, self.accum, self.lr, o.grad_clip, self.comm,
+                          self.env.world_size, self.autocast, self.stop.requested, self.env.device)
+
+    def train(self) -> Dict[str, Any]:
+        """Run the steps from the start (or the resumed checkpoint) to the budget or a stop."""
+        t, state = self.cfg.train, "completed"
+        self.t_start = time.time()
+        self.sync.zero_grad()
+        self.model.train()
+        for step in range(self.start_step + 1, self.total_steps + 1):
+            self.step = step
+            result = self.train_step(step)
+            if self.guard.update(step, result.nonfinite, self.env.is_main):
+                self._fail(step)
+            self.metrics.record(step, self.lr, result, self.guard.skipped)
+            self._evaluate(step)
+            stop_job = result.stop_requested or (t.stop_after_steps is not None
+                                                 and step - self.start_step >= t.stop_after_steps)
+            self.checkpointer.maybe_save(step, last=step == self.total_steps, stopping=stop_job,
+                                         in_trouble=self.guard.in_row > 0)
+            if stop_job and step < self.total_steps:
+                state = "preempted" if result.stop_requested else "stopped"
+                break
+        return self._finish(state)
+
+    def _evaluate(self, step: int) -> None:
+        scores = self.validator.maybe_validate(step, last=step == self.total_steps)
+        if scores:
+            self.metrics.log(step, scores)
+        if self.downstream is not None:
+            scores = self.downstream.maybe_evaluate(step)
+            if scores:
+                self.metrics.log(step, scores)
+
+    def _fail(self, step: int) -> None:
+        self._status("failed", step - 1)
+        raise RuntimeError(f"{self.guard.in_row} non-finite steps in a row (train.max_nonfinite_steps="
+                           f"{self.guard.max_in_row}); stopping. The last good checkpoint is "
+                           f"{latest_checkpoint(self.run_dir)}; lower optimizer.lr or check the data")
+
+    def summary(self, state: str) -> Dict[str, Any]:
+        last = self.validator.last
+        return {"run_dir": str(self.run_dir), "state": state, "step": self.step, "steps_total": self.total_steps,
+                "final_val_loss": last, "best_val_loss": self.validator.best if last is not None else None,
+                "bytes_sent_per_rank": self.metrics.bytes_cumulative,
+                "dense_bytes_per_rank": self.dense_bytes * self.step, "parameters": self.full_params,
+                "skipped_steps": self.guard.skipped, "wall_time_s": time.time() - self.t_start,
+                "checkpoint": self.checkpointer.saved_at}
+
+    def _finish(self, state: str) -> Dict[str, Any]:
+        summary = self.summary(state)
+        if self.env.is_main:
+            _write_json(self.run_dir / "summary.json", summary)
+            self._status(state, self.step)
+            self.logger.summary({k: v for k, v in summary.items() if isinstance(v, (int, float))})
+            self.logger.close()
+            if state == "completed":
+                print(f"done: validation loss {self.validator.last:.4f} after {self.step} steps; run files in "
+                      f"{self.run_dir}", flush=True)
+            else:
+                print(f"{state} at step {self.step} with a checkpoint; rerun with resume=auto to continue "
+                      f"(run files in {self.run_dir})", flush=True)
+        self.close()
+        return summary
+
+    def close(self) -> None:
+        self.train_data.close()
+
+
+def run(cfg) -> Dict[str, Any]:
+    """Train as the config says; returns the run's summary (also written to summary.json)."""
+    stop = StopSignal()  # first, so a signal during a long start-up still ends cleanly
+    validate(cfg)
+    env = init_distributed(cfg.train.device, cfg.train.dist_timeout_s)
+    try:
+        return Trainer(cfg, env, stop).build().train()
+    finally:
+        shutdown()
