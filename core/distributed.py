@@ -32,8 +32,6 @@ def init_distributed(device_pref: str = "auto", timeout_s: int = 600) -> DistEnv
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device_pref not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"train.device must be auto, cpu or cuda, got {device_pref!r}")
     use_cuda = torch.cuda.is_available() if device_pref == "auto" else device_pref == "cuda"
     if use_cuda and not torch.cuda.is_available():
         raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=cpu")

@@ -6,7 +6,12 @@ are ignored by it (documented per field).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
+
+from core.choices import check_choice
+
+Family = Literal["llama", "gpt"]
+Attention = Literal["auto", "sdpa", "flash"]  # auto: flash-attn on CUDA when installed, else blocked/SDPA
 
 
 @dataclass
@@ -24,4 +29,10 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
-    attention: str = "auto"  # auto | sdpa | flash
+    attention: str = "auto"  # Attention
+
+    def __post_init__(self) -> None:
+        check_choice("model.family", self.family, Family, "{key}={value!r}: expected {alternatives}")
+        check_choice("model.attention", self.attention, Attention, "{key}={value!r}: expected one of {allowed}")
+        if self.seq_len <= 0:
+            raise ValueError(f"model.seq_len must be positive, got {self.seq_len}")

@@ -58,8 +58,6 @@ def build_synchronizer(model_cfg: Any, sdp_cfg: Any, opt_cfg: Any, world_size: i
 
     model_cfg = _as_dataclass(model_cfg, ModelConfig)
     sdp_cfg = _as_dataclass(sdp_cfg, SDPConfig)
-    if sdp_cfg.masking not in ("forward", "backward"):
-        raise ValueError(f"sdp.masking must be forward or backward, got {sdp_cfg.masking!r}")
     if getattr(opt_cfg, "name", "adamw") == "scape":
         raise ValueError("optimizer=scape is not supported with SDP yet (SCAPE inside holder groups); "
                          "use optimizer=adams or optimizer=adamw")

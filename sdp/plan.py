@@ -314,10 +314,8 @@ def make_plan(model_cfg: ModelConfig, sdp_cfg: SDPConfig, world_size: Optional[i
                 + (" or sdp.groups_per_block" if sdp_cfg.kind == "neuron" else ""))
         if sdp_cfg.strategy == "cyclic":
             sub = cyclic_assignment(workers, len(family), sdp_cfg.coverage)
-        elif sdp_cfg.strategy == "random":
+        else:  # "random" (SDPConfig checks the choice)
             sub = random_assignment(workers, len(family), sdp_cfg.coverage, rng)
-        else:
-            raise ValueError(f"sdp.strategy must be cyclic or random, got {sdp_cfg.strategy!r}")
         assignment[:, family] = sub
     plan = Plan(sdp_cfg.kind, float(sdp_cfg.coverage), sdp_cfg.strategy, sdp_cfg.seed,
                 sdp_cfg.groups_per_block, components, assignment, model_cfg.name)

@@ -89,8 +89,6 @@ class SubnetworkSynchronizer(GradientSynchronizer):
     def __init__(self, model: nn.Module, plan: Plan, layout: ComponentLayout, rank: int,
                  masking: str, optimizer_factory: Callable[[List[nn.Parameter]], torch.optim.Optimizer],
                  flop_matched_coverage: Optional[float] = None, comm: Optional[Collectives] = None) -> None:
-        if masking not in ("forward", "backward"):
-            raise ValueError(f"sdp.masking must be forward or backward, got {masking!r}")
         self.plan, self.layout, self.rank, self.masking = plan, layout, rank, masking
         self.flop_matched_coverage = flop_matched_coverage  # sdp.coverage when sdp.flop_matched
         self.world = plan.workers

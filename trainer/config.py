@@ -1,21 +1,45 @@
 """The run's config schema: one structured config composed from the parts' own schemas.
 
 Registered in Hydra's ConfigStore as ``schema`` (conf/config.yaml lists it first in its defaults),
-so a misspelt key or a wrong type fails at start-up with a message naming the key.
+so a misspelt key or a wrong type fails at start-up with a message naming the key. The entry point
+converts Hydra's DictConfig once (``to_config``) into these dataclasses; each checks its own values
+when it is built (``__post_init__``), so a value that cannot work fails before anything is built or
+written. Choice-valued keys are ``Literal`` types (OmegaConf stores them as ``str``).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Literal, Optional
 
 from hydra.core.config_store import ConfigStore
 
+from core.choices import check_choice
 from data.config import DataConfig, TokenizerConfig
 from models.config import ModelConfig
 from scape.config import OptimizerConfig
 from sdp.config import SDPConfig
+
+
+Precision = Literal["auto", "bf16", "fp32"]  # auto: bf16 autocast on CUDA, fp32 on CPU
+Device = Literal["auto", "cpu", "cuda"]
+WandbMode = Literal["auto", "online", "offline", "disabled"]  # auto: online with an API key
+OptimizerName = Literal["adamw", "adams", "scape"]
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key and the fix."""
+
+
+def _positive(key: str, value) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key} must be positive, got {value}")
+
+
+def _non_negative(key: str, value, note: str = "") -> None:
+    if value < 0:
+        raise ConfigError(f"{key} must be >= 0{note}, got {value}")
 
 
 @dataclass
@@ -30,8 +54,8 @@ class TrainConfig:
     keep_last: int = 2  # checkpoints kept (older step-N folders are deleted)
     compile: bool = False  # torch.compile the model
     activation_checkpointing: bool = False
-    precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
-    device: str = "auto"  # auto | cpu | cuda
+    precision: str = "auto"  # Precision
+    device: str = "auto"  # Device
     dist_timeout_s: int = 600  # process-group timeout: a hung collective fails after this
     max_nonfinite_steps: int = 5  # consecutive skipped (NaN/inf) steps before the run stops
     stop_after_steps: Optional[int] = None  # end this job (with a checkpoint) after N steps
@@ -40,14 +64,39 @@ class TrainConfig:
     downstream_limit: Optional[float] = 200  # documents per task
     downstream_include_path: Optional[str] = None  # folder of custom task YAMLs (offline tasks)
 
+    def __post_init__(self) -> None:
+        for key in ("steps", "log_every", "eval_batches"):
+            _positive(f"train.{key}", getattr(self, key))
+        for key in ("eval_every", "ckpt_every", "keep_last"):
+            _non_negative(f"train.{key}", getattr(self, key))
+        check_choice("train.precision", self.precision, Precision)
+        check_choice("train.device", self.device, Device)
+        _non_negative("train.downstream_every", self.downstream_every, " (0 = off)")
+        if self.max_nonfinite_steps < 1:
+            raise ConfigError(f"train.max_nonfinite_steps must be >= 1, got {self.max_nonfinite_steps}")
+
 
 @dataclass
 class LoggerConfig:
     console: bool = True
-    wandb: str = "auto"  # auto (online with an API key, offline otherwise) | online | offline | disabled
+    wandb: str = "auto"  # WandbMode
     project: str = "scape-sdp"
     entity: Optional[str] = None
     group: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        check_choice("logger.wandb", self.wandb, WandbMode)
+
+
+def check_schedule(o: Any) -> None:
+    """The optimizer keys the Trainer itself reads: the learning-rate schedule and clipping."""
+    check_choice("optimizer.name", o.name, OptimizerName, "{key} must be one of {joined}, got {value!r}")
+    _non_negative("optimizer.warmup_steps", o.warmup_steps)
+    if not (o.lr > 0 and math.isfinite(o.lr)):
+        raise ConfigError(f"optimizer.lr must be a positive number, got {o.lr}")
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ConfigError(f"optimizer.min_lr_ratio must lie in [0, 1], got {o.min_lr_ratio}")
+    _non_negative("optimizer.grad_clip", o.grad_clip, " (0 = off)")
 
 
 @dataclass
@@ -64,9 +113,24 @@ class Config:
     out_dir: str = "runs"  # the run's files go to out_dir/run_name
     resume: str = "none"  # none | auto (newest complete checkpoint of the run) | path to a step-N folder
 
+    def __post_init__(self) -> None:
+        check_schedule(self.optimizer)
+        t = self.train
+        if t.downstream_every and self.sdp.kind != "none" and self.sdp.masking == "forward":
+            raise ConfigError("train.downstream_every needs the full model on rank 0, which a forward-masked "
+                              "SDP worker does not hold; score its checkpoints with scripts/evaluate.py")
+        if self.resume not in ("none", "auto") and not Path(self.resume).is_dir():
+            raise ConfigError(f"resume={self.resume}: no such checkpoint folder; use resume=auto, "
+                              f"resume=none or the path of a step-N folder")
 
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key and the fix."""
+
+def to_config(cfg: Any) -> Config:
+    """The run's typed config from Hydra's DictConfig (interpolations resolved, every value checked)."""
+    if isinstance(cfg, Config):
+        return cfg
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(cfg)
 
 
 def accumulation_steps(global_batch_tokens: int, micro_batch_size: int, seq_len: int, world_size: int) -> int:
@@ -82,37 +146,6 @@ def accumulation_steps(global_batch_tokens: int, micro_batch_size: int, seq_len:
             f"= {per_micro}; use e.g. train.global_batch_tokens={lower} or {lower + per_micro}, "
             f"or change train.micro_batch_size")
     return global_batch_tokens // per_micro
-
-
-def validate(cfg) -> None:
-    """Refuse values that cannot work, before anything is built or written."""
-    t = cfg.train
-    for key, value in (("train.steps", t.steps), ("train.log_every", t.log_every),
-                       ("train.eval_batches", t.eval_batches), ("model.seq_len", cfg.model.seq_len)):
-        if value <= 0:
-            raise ConfigError(f"{key} must be positive, got {value}")
-    for key, value in (("train.eval_every", t.eval_every), ("train.ckpt_every", t.ckpt_every),
-                       ("train.keep_last", t.keep_last), ("optimizer.warmup_steps", cfg.optimizer.warmup_steps)):
-        if value < 0:
-            raise ConfigError(f"{key} must be >= 0, got {value}")
-    if not (cfg.optimizer.lr > 0 and math.isfinite(cfg.optimizer.lr)):
-        raise ConfigError(f"optimizer.lr must be a positive number, got {cfg.optimizer.lr}")
-    if not 0 <= cfg.optimizer.min_lr_ratio <= 1:
-        raise ConfigError(f"optimizer.min_lr_ratio must lie in [0, 1], got {cfg.optimizer.min_lr_ratio}")
-    if cfg.optimizer.grad_clip < 0:
-        raise ConfigError(f"optimizer.grad_clip must be >= 0 (0 = off), got {cfg.optimizer.grad_clip}")
-    if t.precision not in ("auto", "bf16", "fp32"):
-        raise ConfigError(f"train.precision must be auto, bf16 or fp32, got {t.precision!r}")
-    if t.downstream_every < 0:
-        raise ConfigError(f"train.downstream_every must be >= 0 (0 = off), got {t.downstream_every}")
-    if t.downstream_every and cfg.sdp.kind != "none" and cfg.sdp.masking == "forward":
-        raise ConfigError("train.downstream_every needs the full model on rank 0, which a forward-masked "
-                          "SDP worker does not hold; score its checkpoints with scripts/evaluate.py")
-    if t.max_nonfinite_steps < 1:
-        raise ConfigError(f"train.max_nonfinite_steps must be >= 1, got {t.max_nonfinite_steps}")
-    if cfg.resume not in ("none", "auto") and not Path(cfg.resume).is_dir():
-        raise ConfigError(f"resume={cfg.resume}: no such checkpoint folder; use resume=auto, "
-                          f"resume=none or the path of a step-N folder")
 
 
 def register_configs() -> None:

@@ -9,6 +9,7 @@ know it asks the synchroniser (core/sync.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -22,7 +23,7 @@ from omegaconf import OmegaConf
 from core.comm import Collectives, all_reduce_bytes
 from core.distributed import DistEnv, barrier, init_distributed, on_main, shutdown
 from trainer.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint, read_meta
-from trainer.config import ConfigError, accumulation_steps, validate
+from trainer.config import Config, ConfigError, accumulation_steps, to_config
 from trainer.metrics import MetricsLogger, MetricsProcessor
 from trainer.parts import build_model_and_sync
 from trainer.schedule import lr_at
@@ -81,7 +82,7 @@ def _write_json(path: Path, obj: Dict[str, Any]) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg, env: DistEnv, stop: Optional[StopSignal] = None) -> None:
+    def __init__(self, cfg: Config, env: DistEnv, stop: Optional[StopSignal] = None) -> None:
         self.cfg, self.env = cfg, env
         self.stop = stop if stop is not None else StopSignal()
         self.comm = Collectives()
@@ -149,10 +150,10 @@ class Trainer:
             self.start_step, bytes_cumulative = int(meta["step"]), float(meta.get("bytes_cumulative", 0.0))
         self.step = self.start_step
         self._bytes_at_start = bytes_cumulative
-        self.resolved = OmegaConf.to_container(self.cfg, resolve=True)
+        self.resolved = dataclasses.asdict(self.cfg)
         if env.is_main:  # e.g. a restart by torchrun --max-restarts before the first checkpoint
             _trim_metrics(self.run_dir / "metrics.jsonl", self.start_step)
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
+            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(self.resolved)))
             self._announce()
         self.logger = MetricsLogger(self.run_dir, self.cfg.logger, self.cfg.run_name, self.resolved,
                                     self.resume_from is not None) if env.is_main else None
@@ -271,9 +272,9 @@ class Trainer:
 def run(cfg) -> Dict[str, Any]:
     """Train as the config says; returns the run's summary (also written to summary.json)."""
     stop = StopSignal()  # first, so a signal during a long start-up still ends cleanly
-    validate(cfg)
-    env = init_distributed(cfg.train.device, cfg.train.dist_timeout_s)
+    config = to_config(cfg)  # the one conversion; every value is checked here
+    env = init_distributed(config.train.device, config.train.dist_timeout_s)
     try:
-        return Trainer(cfg, env, stop).build().train()
+        return Trainer(config, env, stop).build().train()
     finally:
         shutdown()

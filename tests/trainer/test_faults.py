@@ -172,7 +172,7 @@ def _nan_body(rank, world, cache, out_dir, arm, nan_steps, max_nonfinite, expect
     from hydra import compose, initialize_config_dir
 
     from core.distributed import init_distributed
-    from trainer.config import register_configs, validate
+    from trainer.config import register_configs, to_config
     from trainer.trainer import Trainer
 
     register_configs()
@@ -180,7 +180,7 @@ def _nan_body(rank, world, cache, out_dir, arm, nan_steps, max_nonfinite, expect
         cfg = compose(config_name="config", overrides=[
             *TINY, *OPTIMIZER_ARMS[arm], f"data.cache_dir={cache}", f"out_dir={out_dir}", "run_name=nan",
             "train.steps=8", "train.ckpt_every=2", f"train.max_nonfinite_steps={max_nonfinite}"])
-    validate(cfg)
+    cfg = to_config(cfg)
     trainer = Trainer(cfg, init_distributed(cfg.train.device, cfg.train.dist_timeout_s)).build()
     calls = {"n": 0}
 
