@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import random
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -262,22 +261,6 @@ def log_to_wandb(metrics: Dict[str, float], *, run_name: str, run_config: Dict[s
 
 # ---------------------------------------------------------------------------------------------
 # RNG isolation (lm-eval seeds python, numpy and torch globally)
-
-
-def capture_rng_states() -> Dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_states(state: Dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def format_table(metrics: Dict[str, float]) -> str:

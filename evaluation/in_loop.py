@@ -12,8 +12,8 @@ from typing import Dict, Optional, Sequence, Union
 
 import torch
 
-from evaluation.harness import (capture_rng_states, downstream_metrics, evaluate_model,
-                                restore_rng_states)
+from core.checkpoint import capture_rng, restore_rng
+from evaluation.harness import downstream_metrics, evaluate_model
 
 
 def downstream_eval_metrics(model: torch.nn.Module, tokenizer,
@@ -27,11 +27,11 @@ def downstream_eval_metrics(model: torch.nn.Module, tokenizer,
     Raises HubTaskUnavailableError when a task's data is neither reachable nor cached; a caller
     in the training loop should catch DownstreamEvalError once and stop calling.
     """
-    rng = capture_rng_states()
+    rng = capture_rng()
     try:
         with torch.no_grad():
             results = evaluate_model(model, tokenizer, tasks, batch_size=batch_size, limit=limit,
                                      num_fewshot=num_fewshot, include_path=include_path, seed=seed)
     finally:
-        restore_rng_states(rng)
+        restore_rng(rng)
     return downstream_metrics(results)

@@ -2,10 +2,10 @@
 and import HF weights into our model, so lm-eval, generation and the hub work on our runs.
 
     python -m models.hf export --checkpoint RUN/step-N --out DIR [--dtype bf16]
-    python -m models.hf import --hf DIR --out RUN/step-0
+    python -m models.hf import --hf DIR --out INIT     # then: python train.py train.init_from=INIT
 
-A checkpoint folder (the trainer's format) holds ``model.safetensors`` (our state dict) and
-``meta.json`` whose ``config.model`` entry is the ModelConfig and whose optional
+A checkpoint folder (core/checkpoint.py) holds ``model.safetensors`` (our state dict) and a
+checksummed ``meta.json`` whose ``config.model`` entry is the ModelConfig and whose optional
 ``tokenizer_path`` names an HF tokenizer.json or tokenizer folder.
 
 The mapping is exact (no permutation): our RoPE uses HF's half-split layout, and GPT-2's fused
@@ -23,6 +23,7 @@ from typing import Dict, Mapping, Optional, Tuple
 import torch
 from safetensors.torch import load_file, save_file
 
+from core.checkpoint import read_weights, write_model_folder
 from models.config import ModelConfig
 
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -254,15 +255,12 @@ def _check_only_tied_missing(missing, unexpected, cfg: ModelConfig) -> None:
 
 
 def read_checkpoint(checkpoint_dir: str) -> Tuple[ModelConfig, Dict[str, torch.Tensor], dict]:
-    """(config, our state dict, meta) of a trainer checkpoint folder RUN/step-N."""
-    with open(os.path.join(checkpoint_dir, "meta.json")) as f:
-        meta = json.load(f)
+    """(config, our state dict, meta) of a checkpoint folder (RUN/step-N or an import), verified."""
+    state_dict, meta = read_weights(checkpoint_dir)
     model_fields = (meta.get("config") or {}).get("model")
     if model_fields is None:
         raise ValueError(f"{checkpoint_dir}/meta.json has no config.model entry")
-    cfg = model_config_from_dict(model_fields)
-    state_dict = _strip_wrappers(load_file(os.path.join(checkpoint_dir, "model.safetensors")))
-    return cfg, state_dict, meta
+    return model_config_from_dict(model_fields), _strip_wrappers(state_dict), meta
 
 
 def _resolve_tokenizer_path(path: str, checkpoint_dir: str) -> Optional[str]:
@@ -361,15 +359,12 @@ def import_hf(hf_dir: str, device: Optional[str] = None):
 
 def write_checkpoint(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig, out_dir: str,
                      tokenizer_path: Optional[str] = None) -> None:
-    """A trainer-format folder (model.safetensors + meta.json) to start a run from."""
-    os.makedirs(out_dir, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state_dict.items()},
-              os.path.join(out_dir, "model.safetensors"))
+    """A weights-only checkpoint folder (model.safetensors + checksummed meta.json): a run starts
+    from it with ``train.init_from=DIR`` and evaluation reads it like a step-N folder."""
     meta = {"config": {"model": dataclasses.asdict(cfg)}, "step": 0}
     if tokenizer_path:
         meta["tokenizer_path"] = tokenizer_path
-    with open(os.path.join(out_dir, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=2)
+    write_model_folder(out_dir, state_dict, meta)
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -385,7 +380,8 @@ def main(argv: Optional[list] = None) -> None:
                         help="cast weights (default: as stored)")
     imp = commands.add_parser("import", help="HF model folder -> trainer checkpoint folder")
     imp.add_argument("--hf", required=True, help="HF model folder (config.json + safetensors)")
-    imp.add_argument("--out", required=True, help="checkpoint folder to write, e.g. RUN/step-0")
+    imp.add_argument("--out", required=True, help="checkpoint folder to write (a run starts from it with "
+                                                  "train.init_from=DIR)")
     args = parser.parse_args(argv)
     if args.command == "export":
         tokenizer = export_checkpoint(args.checkpoint, args.out, _DTYPES.get(args.dtype))

@@ -14,60 +14,23 @@ Files:
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import random
 import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from core.checkpoint import (MODEL_FILE, CheckpointError, capture_rng, fsync_dir, fsync_file, read_meta,
+                             restore_rng, save_weights, seal, verify)
 from core.distributed import DistEnv, barrier
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or corrupted."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def rng_state() -> Dict[str, Any]:
-    state: Dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: Dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+__all__ = ["CheckpointError", "Checkpointer", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
+           "read_meta", "save_checkpoint", "verify_checkpoint"]
+verify_checkpoint = verify
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -99,57 +62,21 @@ def save_checkpoint(run_dir: Path, step: int, sync, env: DistEnv, meta: Dict[str
     barrier()
     model_state = sync.model_state_dict()  # collective for SDP: every rank calls it
     if env.is_main:
-        save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in model_state.items()},
-                  str(tmp / "model.safetensors"))
+        save_weights(tmp, model_state)
         torch.save(sync.state_dict(), tmp / "optimizer.pt")
-    torch.save({"rng": rng_state(), "sync": sync.local_state_dict()}, tmp / f"rank-{env.rank}.pt")
-    _fsync_file(tmp / f"rank-{env.rank}.pt")
+    torch.save({"rng": capture_rng(), "sync": sync.local_state_dict()}, tmp / f"rank-{env.rank}.pt")
+    fsync_file(tmp / f"rank-{env.rank}.pt")
     barrier()
     if env.is_main:
-        files = sorted(p.name for p in tmp.iterdir())
-        checksums = {name: _sha256(tmp / name) for name in files}
-        for name in files:
-            _fsync_file(tmp / name)
-        record = dict(meta, step=step, world_size=env.world_size, files=checksums)
-        meta_tmp = tmp / "meta.json.tmp"
-        meta_tmp.write_text(json.dumps(record, indent=2, default=str))
-        _fsync_file(meta_tmp)
-        os.replace(meta_tmp, tmp / "meta.json")
+        seal(tmp, dict(meta, step=step, world_size=env.world_size))
         if final.exists():  # the same step saved again (e.g. a signal at a checkpoint step)
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(run_dir)
+        fsync_dir(run_dir)
         for old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     barrier()
     return final
-
-
-def read_meta(ckpt: Path) -> Dict[str, Any]:
-    meta_path = ckpt / "meta.json"
-    if not meta_path.is_file():
-        raise CheckpointError(f"{ckpt} is not a complete checkpoint (no meta.json); "
-                              f"pass resume=auto to take the newest complete one")
-    try:
-        return json.loads(meta_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{meta_path} is corrupted ({exc}); delete {ckpt} to resume from "
-                              f"the previous checkpoint") from None
-
-
-def verify_checkpoint(ckpt: Path, meta: Dict[str, Any], names: list[str]) -> None:
-    """Compare the sha256 of ``names`` with meta.json's; never load a silently damaged file."""
-    for name in names:
-        path = ckpt / name
-        expected = meta.get("files", {}).get(name)
-        if expected is None or not path.is_file():
-            raise CheckpointError(f"checkpoint {ckpt} lacks {name} or meta.json does not record it; "
-                                  f"delete {ckpt} to resume from the previous checkpoint")
-        actual = _sha256(path)
-        if actual != expected:
-            raise CheckpointError(f"checkpoint file {path} is corrupted (sha256 {actual[:12]}… but "
-                                  f"meta.json records {expected[:12]}…); delete {ckpt} to resume "
-                                  f"from the previous checkpoint")
 
 
 def load_checkpoint(ckpt: Path, sync, env: DistEnv) -> Dict[str, Any]:
@@ -160,12 +87,12 @@ def load_checkpoint(ckpt: Path, sync, env: DistEnv) -> Dict[str, Any]:
                               f"this run has {env.world_size}; resume with the same number of "
                               f"processes (the data order, SCAPE residuals and SDP plans are per rank)")
     rank_file = f"rank-{env.rank}.pt"
-    verify_checkpoint(ckpt, meta, ["model.safetensors", "optimizer.pt", rank_file])
-    sync.load_model_state_dict(load_file(str(ckpt / "model.safetensors")))
+    verify(ckpt, meta, [MODEL_FILE, "optimizer.pt", rank_file])
+    sync.load_model_state_dict(load_file(str(ckpt / MODEL_FILE)))
     sync.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True))
     local = torch.load(ckpt / rank_file, map_location="cpu", weights_only=True)
     sync.load_local_state_dict(local["sync"])
-    set_rng_state(local["rng"])
+    restore_rng(local["rng"])
     return meta
 
 

@@ -63,6 +63,7 @@ class TrainConfig:
     downstream_tasks: str = "small"  # a conf/eval/ preset or a comma-separated task list
     downstream_limit: Optional[float] = 200  # documents per task
     downstream_include_path: Optional[str] = None  # folder of custom task YAMLs (offline tasks)
+    init_from: Optional[str] = None  # start from these weights (a checkpoint folder): fresh optimizer, step 0
 
     def __post_init__(self) -> None:
         for key in ("steps", "log_every", "eval_batches"):
@@ -119,6 +120,9 @@ class Config:
         if t.downstream_every and self.sdp.kind != "none" and self.sdp.masking == "forward":
             raise ConfigError("train.downstream_every needs the full model on rank 0, which a forward-masked "
                               "SDP worker does not hold; score its checkpoints with scripts/evaluate.py")
+        if t.init_from is not None and not Path(t.init_from).is_dir():
+            raise ConfigError(f"train.init_from={t.init_from}: no such folder; give a step-N checkpoint or "
+                              f"the folder `python -m models.hf import --out DIR` wrote")
         if self.resume not in ("none", "auto") and not Path(self.resume).is_dir():
             raise ConfigError(f"resume={self.resume}: no such checkpoint folder; use resume=auto, "
                               f"resume=none or the path of a step-N folder")

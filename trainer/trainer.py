@@ -148,6 +148,8 @@ class Trainer:
         if self.resume_from is not None:
             meta = load_checkpoint(self.resume_from, self.sync, env)
             self.start_step, bytes_cumulative = int(meta["step"]), float(meta.get("bytes_cumulative", 0.0))
+        elif self.cfg.train.init_from is not None:
+            self._init_weights(Path(self.cfg.train.init_from))
         self.step = self.start_step
         self._bytes_at_start = bytes_cumulative
         self.resolved = dataclasses.asdict(self.cfg)
@@ -158,6 +160,15 @@ class Trainer:
         self.logger = MetricsLogger(self.run_dir, self.cfg.logger, self.cfg.run_name, self.resolved,
                                     self.resume_from is not None) if env.is_main else None
         self._status("running", self.start_step)
+
+    def _init_weights(self, folder: Path) -> None:
+        """Weights only, from a checkpoint folder: the optimizer starts fresh and the run at step 0."""
+        from models.hf import read_checkpoint
+
+        _, state_dict, _ = read_checkpoint(str(folder))  # checksums verified
+        self.sync.load_model_state_dict(state_dict)
+        if self.env.is_main:
+            print(f"initialised the model's weights from {folder}", flush=True)
 
     def _announce(self) -> None:
         t, env = self.cfg.train, self.env

@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import pytest
 import torch
-from safetensors.torch import save_file
-
+from core.checkpoint import read_weights, write_model_folder
 from models import build_model, load_model_config
 from models.hf import import_hf, main
 
@@ -19,13 +17,10 @@ def _fake_checkpoint(run_dir: str, family: str, tokenizer_path: str | None) -> t
     torch.manual_seed(0)
     model = build_model(cfg)
     step_dir = os.path.join(run_dir, "step-10")
-    os.makedirs(step_dir)
-    save_file(model.state_dict(), os.path.join(step_dir, "model.safetensors"))
     meta = {"step": 10, "config": {"model": dataclasses.asdict(cfg), "optimizer": {"name": "adamw"}}}
     if tokenizer_path:
         meta["tokenizer_path"] = tokenizer_path
-    with open(os.path.join(step_dir, "meta.json"), "w") as f:
-        json.dump(meta, f)
+    write_model_folder(step_dir, model.state_dict(), meta)
     return cfg, model, step_dir
 
 
@@ -69,12 +64,8 @@ def test_import_cli_writes_a_trainer_checkpoint(tmp_path) -> None:
     cfg, model, step_dir = _fake_checkpoint(str(tmp_path / "run"), "llama", None)
     main(["export", "--checkpoint", step_dir, "--out", str(tmp_path / "hf"), "--dtype", "bf16"])
     main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back" / "step-0")])
-    with open(tmp_path / "back" / "step-0" / "meta.json") as f:
-        meta = json.load(f)
-    assert meta["config"]["model"]["n_kv_head"] == cfg.n_kv_head
-    from safetensors.torch import load_file
-
-    back = load_file(str(tmp_path / "back" / "step-0" / "model.safetensors"))
+    back, meta = read_weights(tmp_path / "back" / "step-0")  # checksummed like a trainer checkpoint
+    assert meta["config"]["model"]["n_kv_head"] == cfg.n_kv_head and meta["step"] == 0
     for name, tensor in model.state_dict().items():
         assert back[name].dtype == torch.bfloat16
         assert torch.equal(back[name], tensor.to(torch.bfloat16)), name

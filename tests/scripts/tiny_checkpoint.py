@@ -7,7 +7,6 @@ ones would hide an off-by-one position in scoring or decoding).
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import List
 
@@ -49,8 +48,7 @@ def _stream(tokenizer) -> List[int]:
 def make_tiny_checkpoint(root: Path, steps: int = 60) -> Path:
     """``root/run/step-<steps>`` (model.safetensors + meta.json naming ``root/prepared``'s
     tokenizer); returns the step folder."""
-    from safetensors.torch import save_file
-
+    from core.checkpoint import write_model_folder
     from models import build_model, load_model_config
 
     tokenizer = _train_tokenizer(root / "prepared")
@@ -67,15 +65,10 @@ def make_tiny_checkpoint(root: Path, steps: int = 60) -> Path:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    step_dir = root / "run" / f"step-{steps}"
-    step_dir.mkdir(parents=True)
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()},
-              str(step_dir / "model.safetensors"))
     meta = {"step": steps, "tokenizer_path": str(root / "prepared" / "tokenizer.json"),
             "config": {"run_name": "tiny_eval", "model": dataclasses.asdict(cfg),
                        "logger": {"wandb": "disabled", "project": "scape-sdp"}}}
-    (step_dir / "meta.json").write_text(json.dumps(meta, indent=2))
-    return step_dir
+    return write_model_folder(root / "run" / f"step-{steps}", model.state_dict(), meta)
 
 
 def write_choice_task(folder: Path, name: str, dataset_lines: str) -> None:
