@@ -65,8 +65,8 @@ def docstring_documents() -> Iterator[str]:
 def _docstring_documents() -> tuple:
     """One document per stdlib module: its long docstrings, in source order.
 
-    A docstring here is a triple-quoted string that stands alone on its lines (a regular
-    expression finds them 5x faster than ``ast`` parsing the 11 MB of stdlib source). Prepare
+    A docstring here is a triple-quoted string that stands alone on its lines (found with a
+    regular expression, which is much cheaper than ``ast`` parsing the stdlib source). Prepare
     reads the corpus twice (tokenizer training, then tokenization), so the result is kept.
     """
     documents = []

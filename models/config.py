@@ -12,6 +12,8 @@ from core.choices import check_choice
 
 Family = Literal["llama", "gpt"]
 Attention = Literal["auto", "sdpa", "flash"]  # auto: flash-attn on CUDA when installed, else blocked/SDPA
+Kernels = Literal["auto", "stock", "cpu"]  # models/ops.py; auto: the CPU kernels on CPU tensors only
+Loss = Literal["fused", "standard"]  # models/loss.py; fused: chunked linear + cross-entropy
 
 
 @dataclass
@@ -30,9 +32,13 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     attention: str = "auto"  # Attention
+    kernels: str = "auto"  # Kernels
+    loss: str = "fused"  # Loss
 
     def __post_init__(self) -> None:
         check_choice("model.family", self.family, Family, "{key}={value!r}: expected {alternatives}")
         check_choice("model.attention", self.attention, Attention, "{key}={value!r}: expected one of {allowed}")
+        check_choice("model.kernels", self.kernels, Kernels)
+        check_choice("model.loss", self.loss, Loss)
         if self.seq_len <= 0:
             raise ValueError(f"model.seq_len must be positive, got {self.seq_len}")

@@ -12,8 +12,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.common import CausalLM, causal_attention, resolved_ffn_hidden
+from models.common import CausalLM, resolved_ffn_hidden
 from models.config import ModelConfig
+from models.ops import causal_attention
 from models.subnet import SubnetSpec
 
 
@@ -22,7 +23,7 @@ class GPTAttention(nn.Module):
         super().__init__()
         self.head_dim = cfg.d_model // cfg.n_head
         self.n_heads = n_heads
-        self.backend = cfg.attention
+        self.backend, self.kernels = cfg.attention, cfg.kernels
         width = n_heads * self.head_dim
         self.q_proj = nn.Linear(cfg.d_model, width)
         self.k_proj = nn.Linear(cfg.d_model, width)
@@ -41,7 +42,7 @@ class GPTAttention(nn.Module):
         bias = torch.cat((self.q_proj.bias, self.k_proj.bias, self.v_proj.bias))
         qkv = F.linear(x, weight, bias).view(batch, length, 3, self.n_heads, self.head_dim)
         q, k, v = qkv.unbind(dim=2)
-        y = causal_attention(q, k, v, self.backend)
+        y = causal_attention(q, k, v, self.backend, self.kernels)
         return self.o_proj(y.reshape(batch, length, self.n_heads * self.head_dim))
 
 

@@ -12,22 +12,21 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.common import (CausalLM, RotaryEmbedding, causal_attention, resolved_ffn_hidden,
-                           resolved_kv_heads)
+from models.common import CausalLM, RotaryEmbedding, resolved_ffn_hidden, resolved_kv_heads
 from models.config import ModelConfig
-from models.ops import apply_rotary, rms_norm, swiglu
+from models.ops import apply_rotary, causal_attention, rms_norm, swiglu
 from models.subnet import SubnetSpec
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, kernels: str = "auto") -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.kernels = eps, kernels
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused op (the residual stream is fp32 under autocast)
-            return rms_norm(x, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, self.kernels)
         # Normalise in fp32 and scale in the input dtype, as Llama's reference does.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
         return self.weight * normed
@@ -38,7 +37,7 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.head_dim = cfg.d_model // cfg.n_head
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
-        self.backend = cfg.attention
+        self.backend, self.kernels = cfg.attention, cfg.kernels
         self.q_proj = nn.Linear(cfg.d_model, n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.d_model, n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, n_kv_heads * self.head_dim, bias=False)
@@ -51,35 +50,36 @@ class LlamaAttention(nn.Module):
             # through the (empty) projections so every held tensor, the norm included, gets a
             # gradient (zeros) like in any other block.
             return self.o_proj(self.q_proj(x) + self.k_proj(x) + self.v_proj(x))
-        # Separate q/k/v (and gate/up) matmuls, as in transformers: one fused matmul measured
-        # no faster on CPU (docs/RESULTS.md) and leaves strided halves and a bigger gradient buffer.
+        # Separate q/k/v (and gate/up) matmuls, as in transformers: a fused one is no faster on CPU
+        # (docs/RESULTS.md) and leaves strided halves and a bigger gradient buffer.
         q = self.q_proj(x).view(batch, length, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(batch, length, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, length, self.n_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = causal_attention(q, k, v, self.backend)
+        q, k = apply_rotary(q, cos, sin, self.kernels), apply_rotary(k, cos, sin, self.kernels)
+        y = causal_attention(q, k, v, self.backend, self.kernels)
         return self.o_proj(y.reshape(batch, length, self.n_heads * self.head_dim))
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, d_model: int, hidden: int) -> None:
+    def __init__(self, d_model: int, hidden: int, kernels: str = "auto") -> None:
         super().__init__()
+        self.kernels = kernels
         self.gate_proj = nn.Linear(d_model, hidden, bias=False)
         self.up_proj = nn.Linear(d_model, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.kernels))
 
 
 class LlamaBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, heads: List[int], units: List[int]) -> None:
         super().__init__()
         group = cfg.n_head // resolved_kv_heads(cfg)
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernels)
         self.attn = LlamaAttention(cfg, len(heads), len({h // group for h in heads}))
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, len(units))
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernels)
+        self.mlp = SwiGLU(cfg.d_model, len(units), cfg.kernels)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -95,7 +95,7 @@ class Llama(CausalLM):
         for layer in subnet.held_blocks(cfg.n_layer):
             self.blocks[str(layer)] = LlamaBlock(cfg, subnet.kept_heads(layer, cfg.n_head),
                                                  subnet.kept_units(layer, ffn))
-        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernels)
         self.rotary = RotaryEmbedding(cfg.d_model // cfg.n_head, cfg.rope_theta)
         if not cfg.tie_embeddings:
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)

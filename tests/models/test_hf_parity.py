@@ -54,7 +54,7 @@ def test_logits_match_transformers(family: str, overrides: dict) -> None:
 @pytest.mark.parametrize("family,overrides", CASES)
 def test_loss_and_gradients_match_transformers(family: str, overrides: dict) -> None:
     """The training step, not only the forward: our hand-written backward passes (fused loss,
-    RoPE, SwiGLU, RMSNorm in models/ops.py) give transformers' gradients."""
+    RoPE, SwiGLU, RMSNorm in models/cpu_kernels.py) give transformers' gradients."""
     cfg = _parity_config(family, **overrides)
     torch.manual_seed(1)
     ours = build_model(cfg)

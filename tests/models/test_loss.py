@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import models.common as common
-from models.common import linear_cross_entropy
+import models.loss as common
+from models.loss import linear_cross_entropy
 
 
 def _reference(hidden, weight, targets):

@@ -1,13 +1,14 @@
-"""The hand-written backward passes in models/ops.py equal autograd through the textbook forms."""
+"""The CPU kernels (models/cpu_kernels.py) equal autograd through the textbook forms, and the model
+on the stock path (model.kernels=stock) equals the model on the CPU kernels."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from models import ops
 from models.common import RotaryEmbedding
-from models import common
-from models.ops import apply_rotary, block_causal_attention, rms_norm, swiglu
+from models.cpu_kernels import apply_rotary, block_causal_attention, rms_norm, swiglu
 
 
 def _values_and_grads(fn, inputs, grad_out):
@@ -84,13 +85,46 @@ def test_block_causal_attention_passes_gradcheck() -> None:
 
 def test_auto_attention_uses_blocks_on_cpu_for_short_fp32_sequences(monkeypatch) -> None:
     calls = []
-    monkeypatch.setattr(common, "block_causal_attention",
+    monkeypatch.setattr(ops.cpu_kernels, "block_causal_attention",
                         lambda *args: calls.append(args[0].shape[1]) or block_causal_attention(*args))
     q, k, v = torch.randn(1, 8, 2, 4), torch.randn(1, 8, 1, 4), torch.randn(1, 8, 1, 4)
     expected = _sdpa_causal(q, k, v)
     for backend in ("auto", "sdpa"):
-        torch.testing.assert_close(common.causal_attention(q, k, v, backend), expected)
-    monkeypatch.setattr(common, "BLOCK_ATTENTION_MAX_LENGTH", 4)
-    common.causal_attention(q, k, v, "auto")  # longer than the limit: SDPA
-    common.causal_attention(q.double(), k.double(), v.double(), "auto")  # not fp32: SDPA
+        torch.testing.assert_close(ops.causal_attention(q, k, v, backend), expected)
+    ops.causal_attention(q, k, v, "auto", kernels="stock")  # the stock path: SDPA
+    monkeypatch.setattr(ops, "BLOCK_ATTENTION_MAX_LENGTH", 4)
+    ops.causal_attention(q, k, v, "auto")  # longer than the limit: SDPA
+    ops.causal_attention(q.double(), k.double(), v.double(), "auto")  # not fp32: SDPA
     assert calls == [8]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt"])
+@pytest.mark.parametrize("loss", ["fused", "standard"])
+def test_the_stock_path_equals_the_cpu_kernels(family: str, loss: str) -> None:
+    """model.kernels=stock and =cpu: the same losses and gradients (and model.loss either way)."""
+    import dataclasses
+
+    from models import build_model, load_model_config
+
+    base = dataclasses.replace(load_model_config(f"tiny_{family}"), n_layer=2, d_model=64, n_head=4,
+                               ffn_hidden=96, vocab_size=256, seq_len=48, loss=loss)
+    if family == "llama":
+        base = dataclasses.replace(base, n_kv_head=2)
+    x = torch.randint(0, base.vocab_size, (3, base.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for kernels in ("stock", "cpu"):
+        torch.manual_seed(0)
+        model = build_model(dataclasses.replace(base, kernels=kernels))
+        loss_value = model(x[:, :-1], x[:, 1:])
+        loss_value.backward()
+        results[kernels] = (loss_value.detach(), {n: p.grad for n, p in model.named_parameters()})
+    (stock_loss, stock_grads), (cpu_loss, cpu_grads) = results["stock"], results["cpu"]
+    torch.testing.assert_close(stock_loss, cpu_loss, atol=1e-5, rtol=1e-5)
+    for name, grad in stock_grads.items():
+        torch.testing.assert_close(grad, cpu_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_auto_kernels_take_the_cpu_kernels_on_cpu_only() -> None:
+    x = torch.randn(2, 3)
+    assert ops.cpu_path("auto", x) and ops.cpu_path("cpu", x) and not ops.cpu_path("stock", x)
+    assert not ops.cpu_path("auto", torch.empty(2, 3, device="meta"))
