@@ -88,6 +88,7 @@ class Trainer:
         self.comm = Collectives()
         self.run_dir = Path(cfg.out_dir) / cfg.run_name
         self.start_step, self.step = 0, 0
+        self.batches = None  # the training micro-batches, once built
 
     # ------------------------------------------------------------------------------ build
     def build(self) -> "Trainer":
@@ -277,6 +278,9 @@ class Trainer:
         return summary
 
     def close(self) -> None:
+        """Stop the loader's prefetch thread and wait for it (before the interpreter exits)."""
+        if self.batches is not None:
+            self.batches.close()  # the generator's finally joins its thread
         self.train_data.close()
 
 
