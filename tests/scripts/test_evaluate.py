@@ -267,7 +267,7 @@ def test_wandb_logs_into_the_training_run(tmp_path: Path, monkeypatch) -> None:
     run_id = log_to_wandb({"eval/piqa/acc": 0.625}, run_name="llama500m/scape99", step=300,
                           run_config={"logger": {"project": "scape-sdp", "wandb": "auto"}},
                           mode="offline", resume_run=True, run_dir=tmp_path)
-    assert run_id == "llama500m-scape99"  # trainer/metrics.py's id for that run name
+    assert run_id == "llama500m-scape99"  # core/wandb_run.py's id for that run name
     (run_dir,) = (tmp_path / "wandb").glob(f"offline-run-*-{run_id}")
     (events,) = run_dir.glob("*.wandb")
     assert b"eval/piqa/acc" in events.read_bytes() and b"eval/step" in events.read_bytes()
