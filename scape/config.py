@@ -28,6 +28,9 @@ class OptimizerConfig:
     offload_residual: bool = False
     lag: bool = True
     update: str = "lazy"  # lazy | all
-    stale_scale_cap: int = 1
+    score_timing: str = "pre_send"  # pre_send (the spec) | post_step
+    stale_scale: str = "steps"  # steps | lr_sum: how the staleness of a lazy step is measured
+    stale_scale_cap: float = 1.0  # 1 = off; > 1: scale a lazy step by min(staleness, cap); 0 = 1/density
+    lossless_clip: bool = False  # the part of ghat that clipping removes goes back to the residual
     base: str = "adams"  # adams | adamw
     score: str = "moment"  # moment | gradient

@@ -73,8 +73,9 @@ class ScapeSynchronizer(GradientSynchronizer):
         self.flat = FlatParameters(ordered, pad_to=self.layout.pad_multiple)
         assert self.flat.padded_numel == self.layout.padded_numel
         self.device = self.flat.data.device
+        cap = float(cfg.stale_scale_cap) or 1.0 / self.density  # 0: one partition's refresh period
         optimizer = ScapeOptimizer(self.flat.data, sum(p.numel() for p in decay), cfg.lr, cfg.betas,
-                                   cfg.eps, cfg.weight_decay, cfg.base, cfg.stale_scale_cap)
+                                   cfg.eps, cfg.weight_decay, cfg.base, cfg.stale_scale, cap)
         super().__init__(model, optimizer)
         self.residual = Residual(self.layout.padded_numel, self.device, cfg.offload_residual,
                                  residual_chunk_numel)
@@ -120,8 +121,9 @@ class ScapeSynchronizer(GradientSynchronizer):
         grad = self.flat.grad
         self.timers.start_step()
         self._dense = self.is_dense(step)
+        pre_send = self.cfg.score_timing == "pre_send"
         if self._dense:
-            if self.cfg.lag and not self.is_dense(step + 1):
+            if self.cfg.lag and pre_send and not self.is_dense(step + 1):
                 self._score_dense_step(grad)
             comm.all_reduce(grad, kind="grad_allreduce")
             if self.world > 1:
@@ -132,7 +134,7 @@ class ScapeSynchronizer(GradientSynchronizer):
         if self.cfg.lag:
             mask = self._mask_for(step)
             values = torch.empty(mask.numel(), dtype=self.value_dtype, device=self.device)
-            self._contribute(grad, accumulate=True, score=True, mask=mask, values=values)
+            self._contribute(grad, accumulate=True, score=pre_send, mask=mask, values=values)
         else:  # ablation: this step's own mask, exchanged on the critical path
             self._contribute(grad, accumulate=True, score=True, mask=None, values=None)
             self._exchange_mask(step, k, async_op=False)
@@ -148,11 +150,14 @@ class ScapeSynchronizer(GradientSynchronizer):
     def clip_gradients(self, max_norm: float) -> float:
         """Pre-clip L2 norm of ghat; replicated on every rank, so no collective is needed."""
         norm = torch.linalg.vector_norm(self._ghat)
-        if max_norm > 0:
-            self._ghat.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0 else None
+        if factor is not None:
+            self._ghat.mul_(factor)
         value = float(norm)
         if not math.isfinite(value) and not self._dense:
             self._rollback()  # the loop skips this step: put the contribution back
+        elif self.cfg.lossless_clip and factor is not None and not self._dense and float(factor) < 1.0:
+            self._return_clipped(1.0 - float(factor))
         return value
 
     @torch.no_grad()
@@ -174,6 +179,8 @@ class ScapeSynchronizer(GradientSynchronizer):
         following = self.step_count + 1
         self._overlap = None
         if self.cfg.lag and not self.is_dense(following):
+            if self.cfg.score_timing == "post_step":
+                self._score_residual()
             self._exchange_mask(following, self.k_at(following), async_op=True)
 
     # --- the pieces --------------------------------------------------------------------------
@@ -195,6 +202,34 @@ class ScapeSynchronizer(GradientSynchronizer):
         """First mask from a dense step: s = b1 m + (1 - b1) g (the residual is still zero)."""
         own = slice(self.layout.owned_start, self.layout.owned_start + self.layout.owned_numel)
         self._write_score(own.start, own.stop, grad[own] * (1.0 - self.beta1))
+
+    def _score_residual(self) -> None:
+        """Post-step score |b1 m_t + e| (or |e|): the updated momentum and the residual with this
+        step's mask already cleared, so the coordinates just sent do not score on mass they no
+        longer hold."""
+        own_lo, own_hi = self.layout.owned_start, self.layout.owned_start + self.layout.owned_numel
+        for lo, hi, residual in self.residual.chunks():
+            if lo < own_hi and hi > own_lo:
+                self._write_score(lo, hi, residual)
+
+    def _return_clipped(self, fraction: float) -> None:
+        """Lossless clipping: ``fraction`` of what this rank sent goes back into its residual, so
+        the part of ghat that clipping removed is delayed, not dropped (sent + residual is still
+        the whole contribution)."""
+        self._add_at_mask(self._sent_local.float().mul_(fraction))
+
+    def _add_at_mask(self, values: torch.Tensor) -> None:
+        """e[M_t] += values (``values`` in mask order)."""
+        for lo, _, residual, first, last in self._mask_chunks():
+            residual.index_add_(0, self.mask[first:last] - lo, values[first:last])
+
+    def _mask_chunks(self):
+        """Each residual chunk (lo, hi, view) with the slice [first, last) of M_t that falls in it."""
+        bounds = self.residual.bounds()
+        edges = torch.tensor([lo for lo, _ in bounds] + [bounds[-1][1]], device=self.mask.device)
+        positions = torch.searchsorted(self.mask, edges).tolist()
+        for chunk, (lo, hi, residual) in enumerate(self.residual.chunks()):
+            yield lo, hi, residual, positions[chunk], positions[chunk + 1]
 
     def _contribute(self, grad: torch.Tensor, accumulate: bool, score: bool,
                     mask: Optional[torch.Tensor], values: Optional[torch.Tensor]) -> None:
@@ -218,11 +253,7 @@ class ScapeSynchronizer(GradientSynchronizer):
     def _rollback(self) -> None:
         """Undo this step's residual change (a skipped, non-finite step); non-finite entries -> 0."""
         grad, mask, sent = self.flat.grad, self.mask, self._sent_local.float()
-        bounds = self.residual.bounds()
-        edges = torch.tensor([lo for lo, _ in bounds] + [bounds[-1][1]], device=mask.device)
-        positions = torch.searchsorted(mask, edges).tolist()
-        for chunk, (lo, hi, residual) in enumerate(self.residual.chunks()):
-            first, last = positions[chunk], positions[chunk + 1]
+        for lo, hi, residual, first, last in self._mask_chunks():
             residual.index_add_(0, mask[first:last] - lo, sent[first:last])
             residual.sub_(grad[lo:hi], alpha=1.0 - self.beta1)
             torch.nan_to_num_(residual, nan=0.0, posinf=0.0, neginf=0.0)
