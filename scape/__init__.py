@@ -11,10 +11,16 @@ from scape.config import OptimizerConfig
 
 
 def build_synchronizer(model: torch.nn.Module, cfg: OptimizerConfig):
-    """The SCAPE gradient synchroniser for ``model`` (``cfg.name`` must be ``scape``)."""
+    """The synchroniser for ``model``: SCAPE (``cfg.name=scape``) or sparse model averaging
+    (``cfg.name=sparse_avg``, scape/averaging.py)."""
     name = cfg["name"] if hasattr(cfg, "keys") else cfg.name
+    if name == "sparse_avg":
+        from scape.averaging import SparseAverageSynchronizer
+
+        return SparseAverageSynchronizer(model, cfg)
     if name != "scape":
-        raise ValueError(f"scape.build_synchronizer needs optimizer.name=scape, got {name!r}")
+        raise ValueError(f"scape.build_synchronizer needs optimizer.name=scape or sparse_avg, "
+                         f"got {name!r}")
     from scape.synchronizer import ScapeSynchronizer
 
     return ScapeSynchronizer(model, cfg)

@@ -14,12 +14,15 @@ The loop calls, once per optimizer step, after the micro-batches' backward passe
 
 and between steps ``sync.zero_grad()``. Checkpoints call ``state_dict`` (replicated state, written
 by rank 0) and ``local_state_dict`` (this rank's own state, e.g. SCAPE's residual, written by
-every rank).
+every rank). Validation and export run inside ``with sync.evaluation_weights():`` (every
+rank enters it): the model then holds the weights to evaluate, e.g. sparse model averaging's
+average of the ranks' copies; for the others these are the training weights themselves.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List
 
 import torch
 import torch.distributed as dist
@@ -108,6 +111,14 @@ class GradientSynchronizer:
 
     def load_local_state_dict(self, state: Dict[str, Any]) -> None:
         pass
+
+    @contextlib.contextmanager
+    def evaluation_weights(self) -> Iterator[None]:
+        """Inside, the model holds the weights to validate and export; restored on exit.
+
+        Every rank enters it (it may be a collective). Base: the training weights, nothing to do.
+        """
+        yield
 
     def model_state_dict(self) -> Dict[str, torch.Tensor]:
         """The full model's weights for checkpoints and export (collective for SDP; every rank calls)."""

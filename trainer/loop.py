@@ -349,12 +349,14 @@ def _train(cfg: DictConfig, env: DistEnv, stop: StopSignal) -> Dict[str, Any]:
             metrics.update(sync.metrics())
             logger.log(step, metrics)
         if (t_cfg.eval_every and step % t_cfg.eval_every == 0) or step == total_steps:
-            last_val = evaluate(eval_model, val_batches, env.device, autocast)
+            with sync.evaluation_weights():  # every rank: may be a collective (sparse_avg's average)
+                last_val = evaluate(eval_model, val_batches, env.device, autocast)
             best_val = min(best_val, last_val)
             if env.is_main:
                 logger.log(step, {"val/loss": last_val, "val/perplexity": math.exp(min(last_val, 50))})
-        if downstream is not None and step % t_cfg.downstream_every == 0:
-            scores = downstream()
+        if t_cfg.downstream_every and step % t_cfg.downstream_every == 0:
+            with sync.evaluation_weights():  # entered by every rank, scored on rank 0
+                scores = downstream() if downstream is not None else None
             if scores:
                 logger.log(step, scores)
         ran = step - start_step

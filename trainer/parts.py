@@ -9,7 +9,7 @@ from scape.adams import AdamS
 from scape.config import OptimizerConfig
 from trainer.grad_sync import DenseAllReduce, GradientSynchronizer, param_groups
 
-OPTIMIZERS = ("adamw", "adams", "scape")
+OPTIMIZERS = ("adamw", "adams", "scape", "sparse_avg")
 
 
 def build_optimizer(params: List[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -35,12 +35,15 @@ def build_model_and_sync(cfg, world_size: int, rank: int, device: torch.device
     if cfg.optimizer.name not in OPTIMIZERS:
         raise ValueError(f"optimizer.name must be one of {', '.join(OPTIMIZERS)}, got {cfg.optimizer.name!r}")
     torch.manual_seed(cfg.seed)
+    if cfg.sdp.kind != "none" and cfg.optimizer.name == "sparse_avg":
+        raise ValueError("optimizer=sparse_avg is not supported with SDP (sdp.kind must be none); "
+                         "use optimizer=adams or optimizer=adamw")
     if cfg.sdp.kind != "none":
         import sdp
 
         return sdp.build_synchronizer(cfg.model, cfg.sdp, cfg.optimizer, world_size, rank, device)
     model = build_model(cfg.model, device=device)
-    if cfg.optimizer.name == "scape":
+    if cfg.optimizer.name in ("scape", "sparse_avg"):
         import scape
 
         return model, scape.build_synchronizer(model, cfg.optimizer)
