@@ -64,24 +64,19 @@ import math
 from typing import Any, Dict, Iterator, Optional
 
 import torch
-import torch.distributed as dist
 
-from scape import kernels, transport
+from scape import kernels
 from scape.accounting import VALUE_BYTES, scape_step_bytes
 from scape.config import OptimizerConfig
+from scape.masking import MaskedSynchronizer
 from scape.options import as_dataclass, validate_config
-from scape.partition import Partitioning
-from scape.timing import StepTimers
-from scape.topk import topk_mask
 from trainer import comm
 from trainer.comm import all_reduce_bytes
-from trainer.grad_sync import FlatParameters, GradientSynchronizer
 
 NAME = "sparse_avg"
 # SCAPE keys that have no meaning here: a non-default value is an error, not silently ignored.
 SCAPE_ONLY_KEYS = ("offload_residual", "lag", "update", "stale_scale_cap", "stale_scale", "base",
                    "score", "score_timing", "lossless_clip")
-_TIMERS = ("topk", "pack", "wait")
 
 
 def validate_sparse_avg(cfg: OptimizerConfig) -> None:
@@ -122,63 +117,22 @@ class _LocalAdamS:
                                    self.decay_end)
 
 
-class _PendingMask:
-    def __init__(self, step: int, work, received: torch.Tensor, send: torch.Tensor, k: int) -> None:
-        self.step, self.work, self.received, self.send, self.k = step, work, received, send, k
-
-
-class SparseAverageSynchronizer(GradientSynchronizer):
+class SparseAverageSynchronizer(MaskedSynchronizer):
     """Sparse model averaging over one flat fp32 view of the model's trainable parameters."""
 
     def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig) -> None:
         cfg = as_dataclass(cfg)
         validate_sparse_avg(cfg)
         self.cfg = cfg
-        initialized = dist.is_available() and dist.is_initialized()
-        self.world = dist.get_world_size() if initialized else 1
-        self.rank = dist.get_rank() if initialized else 0
-        self.density = round(1.0 - float(cfg.sparsity), 12)
-
-        params = [p for p in model.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError("sparse_avg needs at least one trainable parameter")
-        decay = [p for p in params if p.ndim >= 2]
-        ordered = decay + [p for p in params if p.ndim < 2]  # decay range = one prefix
-        self.layout = Partitioning(sum(p.numel() for p in params), self.world, self.world, self.rank)
-        self.flat = FlatParameters(ordered, pad_to=self.layout.pad_multiple)  # flat.data is y_i
-        assert self.flat.padded_numel == self.layout.padded_numel
-        self.device = self.flat.data.device
-        super().__init__(model, _LocalAdamS(self.flat.data, sum(p.numel() for p in decay), cfg))
+        decay_numel = self._flatten(model, NAME)  # self.flat.data is y_i
+        super().__init__(model, _LocalAdamS(self.flat.data, decay_numel, cfg))
         self.consensus = self.flat.data.clone()  # x: every rank seeds identically, so y_i = x
-        self.score = torch.zeros(self.layout.owned_numel, dtype=torch.float32, device=self.device)
         self.value_dtype = torch.bfloat16 if cfg.value_dtype == "bf16" else torch.float32
-        self.timers = StepTimers(self.device)
 
         self.step_count = 0  # steps completed
-        self.mask: Optional[torch.Tensor] = None  # ascending flat indices, k per partition
-        self.mask_step = 0
-        self.mask_k = 0
-        self._pending: Optional[_PendingMask] = None
         self._local_norm: Optional[torch.Tensor] = None
         self._global_sq: Optional[torch.Tensor] = None  # sum over ranks of ||g_i||^2
         self._sent = 0  # coordinates averaged this step
-        self._overlap: Optional[torch.Tensor] = None
-
-    # --- schedule (the same as SCAPE's) --------------------------------------------------------
-    def is_dense(self, step: int) -> bool:
-        return step <= self.cfg.dense_warmup_steps
-
-    def density_at(self, step: int) -> float:
-        warmup = self.cfg.sparsity_warmup_steps
-        if warmup > 0 and step < warmup:
-            return self.density ** (step / warmup)
-        return self.density
-
-    def k_at(self, step: int) -> int:
-        return self.layout.k(self.density_at(step))
-
-    def transport_at(self, step: int) -> str:
-        return transport.resolve(self.cfg.mask_transport, self.layout.partition_size, self.k_at(step))
 
     # --- the loop's calls ----------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -187,7 +141,7 @@ class SparseAverageSynchronizer(GradientSynchronizer):
     @torch.no_grad()
     def reduce_gradients(self) -> None:
         step = self.step_count + 1
-        self.timers.start_step()
+        self.masks.start_step()
         y, x = self.flat.data, self.consensus
         self._local_norm = torch.linalg.vector_norm(self.flat.grad)
         if step == 1:  # no drift yet (every copy starts at x), no mask: only the norm crosses
@@ -195,7 +149,7 @@ class SparseAverageSynchronizer(GradientSynchronizer):
         elif self.is_dense(step):
             mask, count = None, self.layout.padded_numel
         else:
-            mask = self._mask_for(step)
+            mask = self.masks.mask_for(step)
             count = mask.numel()
         payload = torch.empty(count + 1, dtype=self.value_dtype, device=self.device)
         kept = None  # bf16 payload: the rounding error of what was sent, kept in y_i
@@ -239,62 +193,14 @@ class SparseAverageSynchronizer(GradientSynchronizer):
     @torch.no_grad()
     def after_step(self) -> None:
         following = self.step_count + 1
-        self._overlap = None
+        self.masks.overlap = None
         if self.is_dense(following):
             return
         own = slice(self.layout.owned_start, self.layout.owned_start + self.layout.owned_numel)
         torch.sub(self.flat.data[own], self.consensus[own], out=self.score).abs_()
-        self._exchange_mask(following, self.k_at(following))
-
-    # --- the mask ------------------------------------------------------------------------------
-    def _exchange_mask(self, step: int, k: int) -> None:
-        size = self.layout.partition_size
-        chosen = torch.empty(self.layout.owned_numel, dtype=torch.bool, device=self.device)
-        with self.timers.time("topk"):
-            for p in range(self.layout.partitions_per_rank):
-                topk_mask(self.score[p * size:(p + 1) * size], k, chosen[p * size:(p + 1) * size])
-        self._overlap = self._own_overlap(chosen, k)
-        name = self.transport_at(step)
-        with self.timers.time("pack"):
-            send = transport.encode(name, chosen, self.layout.partitions_per_rank, size, k)
-        received = transport.receive_buffer(name, self.layout.num_partitions, size, k, self.device)
-        work = comm.all_gather_into_tensor(received, send, kind="scape_mask", async_op=True)
-        self._pending = _PendingMask(step, work, received, send, k)
-
-    def _own_overlap(self, chosen: torch.Tensor, k: int) -> Optional[torch.Tensor]:
-        """|M_t & M_{t+1}| / k over this rank's partitions (the owner knows both)."""
-        if self.mask is None or self.mask_step != self.step_count:
-            return None
-        per_rank = self.layout.partitions_per_rank
-        own = self.mask[self.rank * per_rank * self.mask_k:(self.rank + 1) * per_rank * self.mask_k]
-        kept = chosen.index_select(0, own - self.layout.owned_start).sum()
-        return kept / float(per_rank * max(k, self.mask_k))
-
-    def _wait_pending(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        with self.timers.time("wait"):
-            if pending.work is not None:
-                try:
-                    pending.work.wait()
-                except (RuntimeError, dist.DistError) as exc:
-                    raise comm.CollectiveError(
-                        f"rank {self.rank}: waiting for the sparse_avg mask all-gather of step "
-                        f"{pending.step} ('scape_mask') failed: {exc}. A peer process probably "
-                        f"died or hangs; resume with resume=auto.") from exc
-        with self.timers.time("pack"):
-            self.mask = transport.decode(self.transport_at(pending.step), pending.received,
-                                         self.layout.num_partitions, self.layout.partition_size,
-                                         pending.k)
-        self.mask_step, self.mask_k = pending.step, pending.k
-
-    def _mask_for(self, step: int) -> torch.Tensor:
-        self._wait_pending()
-        if self.mask is None or self.mask_step != step:
-            raise RuntimeError(f"sparse_avg has no mask for step {step} (it holds one for step "
-                               f"{self.mask_step}); after_step() must run after every step")
-        return self.mask
+        # a mask loaded or waited for without a step since is not the one M_{t+1} follows
+        self.masks.exchange(following, self.k_at(following), async_op=True,
+                            overlap=self.mask_step == self.step_count)
 
     # --- the averaged model --------------------------------------------------------------------
     @torch.no_grad()
@@ -335,62 +241,36 @@ class SparseAverageSynchronizer(GradientSynchronizer):
                "scape/drift_norm": float(torch.linalg.vector_norm(self.flat.data - self.consensus))}
         if self._local_norm is not None:
             out["scape/local_grad_norm"] = float(self._local_norm)
-        if self._overlap is not None:
-            out["scape/mask_overlap"] = float(self._overlap)
-        times = self.timers.collect(_TIMERS)
-        out.update({f"scape/time_{name}_s": seconds for name, seconds in times.items()})
+        out.update(self.masks.metrics())
         return out
 
     # --- checkpoints ---------------------------------------------------------------------------
-    def _layout_record(self) -> Dict[str, int]:
-        return {"numel": self.layout.numel, "padded_numel": self.layout.padded_numel,
-                "num_partitions": self.layout.num_partitions, "world": self.world}
-
-    def _check_layout(self, record: Optional[Dict[str, int]]) -> None:
-        mine = self._layout_record()
-        for key in ("numel", "padded_numel", "num_partitions"):
-            if (record or {}).get(key) != mine[key]:
-                raise ValueError(f"sparse_avg checkpoint layout {key}={(record or {}).get(key)} does "
-                                 f"not match this run's {mine[key]}: resume with the same model and "
-                                 f"world size")
-
     def state_dict(self) -> Dict[str, Any]:
         """Replicated state at a step boundary; waits for the in-flight mask all-gather."""
-        self._wait_pending()
+        self.masks.wait()
         state: Dict[str, Any] = {"optimizer": NAME, "step": self.step_count,
-                                 "layout": self._layout_record(),
+                                 "layout": self.masks.layout_record(),
                                  "consensus": self.consensus.detach().cpu().clone()}
-        if self.mask is not None and self.mask_step == self.step_count + 1:
-            marks = torch.zeros(self.layout.padded_numel, dtype=torch.bool, device=self.device)
-            marks[self.mask] = True
-            packed = torch.empty(self.layout.padded_numel // 8, dtype=torch.uint8, device=self.device)
-            state["mask"] = {"bitmap": kernels.pack_bits(marks, packed).cpu(), "k": self.mask_k,
-                             "step": self.mask_step}
+        state.update(self.masks.state_dict(self.step_count + 1))
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if state.get("optimizer") != NAME or "consensus" not in state:
             raise ValueError("this checkpoint was not written by optimizer=sparse_avg (no consensus "
                              "weights); resume it with the optimizer that wrote it")
-        self._check_layout(state.get("layout"))
-        self._wait_pending()
+        self.masks.check_layout(state.get("layout"))
+        self.masks.wait()
         self.consensus.copy_(state["consensus"])
         self.step_count = int(state["step"])
-        self.mask, self.mask_step, self.mask_k = None, 0, 0
-        if "mask" in state:
-            bitmap = state["mask"]["bitmap"].to(self.device)
-            marks = kernels.unpack_bits(bitmap, torch.empty(bitmap.numel() * 8, dtype=torch.bool,
-                                                            device=self.device))
-            self.mask = torch.nonzero(marks).squeeze(1)
-            self.mask_step, self.mask_k = int(state["mask"]["step"]), int(state["mask"]["k"])
+        self.masks.load_state_dict(state)
 
     def local_state_dict(self) -> Dict[str, Any]:
         return {"params": self.flat.data.detach().cpu().clone(),
                 "momentum": self.optimizer.momentum.detach().cpu().clone(),
-                "rank": self.rank, "layout": self._layout_record()}
+                "rank": self.rank, "layout": self.masks.layout_record()}
 
     def load_local_state_dict(self, state: Dict[str, Any]) -> None:
-        self._check_layout(state.get("layout"))
+        self.masks.check_layout(state.get("layout"))
         if "params" not in state or "momentum" not in state:
             raise ValueError("this rank's checkpoint file holds no sparse_avg copy and momentum; "
                              "it was written by another optimizer")
