@@ -11,7 +11,7 @@ from typing import List
 
 @dataclass
 class OptimizerConfig:
-    name: str = "adamw"  # adamw | adams | scape
+    name: str = "adamw"  # adamw | adams | scape | sparse_avg
     lr: float = 3e-3
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
@@ -28,9 +28,10 @@ class OptimizerConfig:
     offload_residual: bool = False
     lag: bool = True
     update: str = "lazy"  # lazy | all
-    score_timing: str = "pre_send"  # pre_send (the spec) | post_step
-    stale_scale: str = "steps"  # steps | lr_sum: how the staleness of a lazy step is measured
-    stale_scale_cap: float = 1.0  # 1 = off; > 1: scale a lazy step by min(staleness, cap); 0 = 1/density
+    # the study's rule (conf/optimizer/scape.yaml); the spec's: pre_send, steps, 1 (optimizer=scape_spec)
+    score_timing: str = "post_step"  # post_step | pre_send (with lag=true; lag=false scores the step itself)
+    stale_scale: str = "lr_sum"  # lr_sum | steps: how the staleness of a lazy step is measured
+    stale_scale_cap: float = 32.0  # 1 = off; > 1: scale a lazy step by min(staleness, cap); 0 = 1/density
     lossless_clip: bool = False  # the part of ghat that clipping removes goes back to the residual
     base: str = "adams"  # adams | adamw
     score: str = "moment"  # moment | gradient

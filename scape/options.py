@@ -64,9 +64,6 @@ def validate_config(cfg: OptimizerConfig) -> None:
     _choice("score_timing", cfg.score_timing, SCORE_TIMINGS)
     _choice("stale_scale", cfg.stale_scale, STALE_SCALES)
     _choice("lossless_clip", cfg.lossless_clip, (True, False))
-    if cfg.score_timing == "post_step" and not cfg.lag:
-        raise ValueError("optimizer.score_timing=post_step scores the next mask after the step, which "
-                         "needs the one-step lag; set optimizer.lag=true or score_timing=pre_send")
     cap = cfg.stale_scale_cap
     if not (isinstance(cap, (int, float)) and math.isfinite(cap) and (cap == 0 or cap >= 1)):
         raise ValueError(f"optimizer.stale_scale_cap={cap!r} must be 0 (cap = 1 / density), 1 (off) "

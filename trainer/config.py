@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 from data.config import DataConfig, TokenizerConfig
 from models.config import ModelConfig
@@ -63,5 +64,12 @@ class Config:
     resume: str = "none"  # none | auto (newest complete checkpoint of the run) | path to a step-N folder
 
 
+def _times(factor, steps) -> int:
+    """``${times:3,${.warmup_steps}}``: a step count as a multiple of another (rounded)."""
+    return int(round(float(factor) * float(steps)))
+
+
 def register_configs() -> None:
     ConfigStore.instance().store(name="schema", node=Config)
+    # conf/optimizer/scape.yaml ties the sparsity warm-up to the lr warm-up with it
+    OmegaConf.register_new_resolver("times", _times, replace=True)

@@ -362,7 +362,8 @@ def test_settings_are_checked_and_the_builders_dispatch():
 
 def test_train_py_two_processes_with_sparse_avg(tmp_path, prepared_cache):
     common = [*TINY, f"out_dir={tmp_path}", f"data.cache_dir={prepared_cache}", "optimizer=sparse_avg",
-              "optimizer.sparsity=0.9", "optimizer.lr=3e-3", "train.steps=6", "train.eval_every=3",
+              "optimizer.sparsity=0.9", "optimizer.sparsity_warmup_steps=0", "optimizer.lr=3e-3",
+              "train.steps=6", "train.eval_every=3",
               "train.ckpt_every=3"]
     check(train_cli([*common, "run_name=straight"], nproc=2))
     check(train_cli([*common, "run_name=split", "train.stop_after_steps=3"], nproc=2))
