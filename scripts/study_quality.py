@@ -408,7 +408,7 @@ def markdown_table(results: Dict[str, dict], targets: List[dict], settings: dict
 
 # --- the fair protocol: every arm at its own best learning rate, several seeds --------------------
 PRESETS = {
-    "fair": {"arms": "adams,scape90_spec,scape99_spec,scape90,scape99,sma90,sma99",
+    "fair": {"arms": "adams,scape90,scape99,sma90,sma99",
              "lrs": "1e-3,2e-3,3e-3,6e-3", "seeds": "1337,1"},
 }
 
