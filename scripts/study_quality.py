@@ -86,38 +86,16 @@ ARMS: Dict[str, Arm] = {arm.name: arm for arm in [
         "optimizer.sparsity_warmup_steps={quarter}", "optimizer.stale_scale_cap=8"), "both", False),
 ]}
 
-# The formulation work of issue 15: each rule an arm, SCAPE-90 and SCAPE-99.
+# The spec's rule at both sparsities (the defaults of optimizer=scape are the study's rule), and
+# sparse model averaging; any other rule is composed from its name (compose_arm).
 for _pct, _sparsity in (("90", "0.9"), ("99", "0.99")):
-    _base = (*SCAPE, f"optimizer.sparsity={_sparsity}")
-    _post = ("optimizer.score_timing=post_step",)
-    _cap = ("optimizer.stale_scale_cap=0",)  # cap = 1 / density
-    _lrsum = ("optimizer.stale_scale=lr_sum",)
-    _warm = ("optimizer.sparsity_warmup_steps={warmup}",)
-    _clip = ("optimizer.lossless_clip=true",)
-    for _arm in [
-        Arm(f"scape{_pct}_spec", f"SCAPE-{_pct}, the spec's rule", (*_base, "optimizer.score_timing=pre_send",
-            "optimizer.stale_scale_cap=1", "optimizer.sparsity_warmup_steps=0", "optimizer.lossless_clip=false"),
-            "docs/specs/SCAPE.md as written (pre-send score, no catch-up, no warm-up)", False),
-        Arm(f"scape{_pct}_post", f"SCAPE-{_pct}, post-step score", (*_base, *_post),
-            "next mask from b1 m_t + e after the send", False),
-        Arm(f"scape{_pct}_catchup", f"SCAPE-{_pct}, catch-up (steps, cap 1/density)", (*_base, *_cap),
-            "lazy step x min(steps since sent, 1/density)", False),
-        Arm(f"scape{_pct}_post_catchup", f"SCAPE-{_pct}, post-step + catch-up", (*_base, *_post, *_cap), "", False),
-        Arm(f"scape{_pct}_post_catchup32", f"SCAPE-{_pct}, post-step + catch-up cap 32",
-            (*_base, *_post, "optimizer.stale_scale_cap=32"), "", False),
-        Arm(f"scape{_pct}_post_lrsum", f"SCAPE-{_pct}, post-step + lr-sum catch-up", (*_base, *_post, *_cap, *_lrsum),
-            "lazy step x min(sum of lr since sent / lr, 1/density)", False),
-        Arm(f"scape{_pct}_post_lrsum_warm", f"SCAPE-{_pct}, post + lr-sum + warm-up",
-            (*_base, *_post, *_cap, *_lrsum, *_warm), "sparsity warm-up over the lr warm-up", False),
-        Arm(f"scape{_pct}_post_lrsum_warm_clip", f"SCAPE-{_pct}, post + lr-sum + warm-up + lossless clip",
-            (*_base, *_post, *_cap, *_lrsum, *_warm, *_clip), "clipped mass back to the residual", False),
-        Arm(f"scape{_pct}_post_lrsum_clip", f"SCAPE-{_pct}, post + lr-sum + lossless clip",
-            (*_base, *_post, *_cap, *_lrsum, *_clip), "", False),
-    ]:
-        ARMS[_arm.name] = _arm
+    ARMS[f"scape{_pct}_spec"] = Arm(f"scape{_pct}_spec", f"SCAPE-{_pct}, the spec's rule",
+                                    ("optimizer=scape_spec", f"optimizer.sparsity={_sparsity}"),
+                                    "docs/specs/SCAPE.md as written: pre-send score, no catch-up, no warm-up", False)
     ARMS[f"sma{_pct}"] = Arm(f"sma{_pct}", f"sparse model averaging, {_pct}%",
                              ("optimizer=sparse_avg", f"optimizer.sparsity={_sparsity}"),
                              "local AdamS per rank; the k largest drifts per partition averaged each step", False)
+
 
 # Composed SCAPE arms, named by their recipe: scape99+post+cap32+warm20 (see compose_arm).
 _SPEC_RULE = ("optimizer.score_timing=pre_send", "optimizer.stale_scale_cap=1", "optimizer.stale_scale=steps",
