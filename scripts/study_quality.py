@@ -95,6 +95,8 @@ for _pct, _sparsity in (("90", "0.9"), ("99", "0.99")):
     ARMS[f"sma{_pct}"] = Arm(f"sma{_pct}", f"sparse model averaging, {_pct}%",
                              ("optimizer=sparse_avg", f"optimizer.sparsity={_sparsity}"),
                              "local AdamS per rank; the k largest drifts per partition averaged each step", False)
+ARMS["sma0"] = Arm("sma0", "sparse model averaging, density 1", ("optimizer=sparse_avg", "optimizer.sparsity=0.0"),
+                   "every drift averaged every step: what local AdamS + averaging costs without sparsity", False)
 
 
 # Composed SCAPE arms, named by their recipe: scape99+post+cap32+warm20 (see compose_arm).
