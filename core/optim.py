@@ -20,7 +20,7 @@ DENSE_OPTIMIZERS = ("adamw", "adams")
 class DenseOptimizerConfig:
     """The keys of the Hydra group ``optimizer`` that every optimizer reads (SCAPE adds its own
     in scape/config.py); the learning-rate schedule and clipping are the Trainer's."""
-    name: str = "adamw"  # adamw | adams | scape
+    name: str = "adamw"  # adamw | adams | scape | sparse_avg
     lr: float = 3e-3
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8

@@ -95,7 +95,10 @@ class GradientSynchronizer:
 
     @contextlib.contextmanager
     def evaluation_weights(self) -> Iterator[None]:
-        """Inside, the model holds the weights to validate and save (default: the trained ones)."""
+        """Inside, the model holds the weights to validate and score (e.g. sparse model averaging's
+        average of the ranks' copies); restored exactly on exit. Every rank enters it (it may be a
+        collective). Default: the training weights themselves, nothing to do. Checkpoints need no
+        context: ``model_state_dict`` already returns the weights to save."""
         yield
 
     def metrics(self) -> Dict[str, float]:

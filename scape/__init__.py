@@ -1,7 +1,9 @@
-"""AdamS, the SCAPE distributed optimizer, its kernels and its communication accounting.
+"""AdamS, the SCAPE distributed optimizer, sparse model averaging, their kernels and their
+communication accounting.
 
-Importing the package registers the synchroniser ``scape`` with core.sync (docs/specs/SCAPE.md;
-notes in docs/SCAPE.md); the synchroniser module itself is imported on first use.
+Importing the package registers the synchronisers ``scape`` and ``sparse_avg`` with core.sync
+(docs/specs/SCAPE.md; notes in docs/SCAPE.md); the synchroniser modules themselves are imported
+on first use.
 """
 from __future__ import annotations
 
@@ -17,10 +19,16 @@ __all__ = ["OptimizerConfig", "build_synchronizer"]
 
 
 def build_synchronizer(model: torch.nn.Module, cfg: OptimizerConfig, comm: Optional[Collectives] = None):
-    """The SCAPE gradient synchroniser for ``model`` (``cfg.name`` must be ``scape``)."""
+    """The synchroniser for ``model``: SCAPE (``cfg.name=scape``) or sparse model averaging
+    (``cfg.name=sparse_avg``, scape/averaging.py)."""
     name = cfg["name"] if hasattr(cfg, "keys") else cfg.name
+    if name == "sparse_avg":
+        from scape.averaging import SparseAverageSynchronizer
+
+        return SparseAverageSynchronizer(model, cfg, comm=comm)
     if name != "scape":
-        raise ValueError(f"scape.build_synchronizer needs optimizer.name=scape, got {name!r}")
+        raise ValueError(f"scape.build_synchronizer needs optimizer.name=scape or sparse_avg, "
+                         f"got {name!r}")
     from scape.synchronizer import ScapeSynchronizer
 
     return ScapeSynchronizer(model, cfg, comm=comm)
@@ -33,3 +41,4 @@ def _build(cfg: Any, device: torch.device, comm: Collectives):
 
 
 register_synchronizer("scape", _build)
+register_synchronizer("sparse_avg", _build)

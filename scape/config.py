@@ -1,8 +1,8 @@
 """The optimizer selector's config schema (Hydra group ``optimizer``).
 
-One dataclass for AdamW, AdamS and SCAPE: the keys every optimizer reads come from
-core.optim.DenseOptimizerConfig; the SCAPE keys (docs/specs/SCAPE.md, "Options") are ignored by
-the dense optimizers.
+One dataclass for AdamW, AdamS, SCAPE and sparse model averaging: the keys every optimizer reads
+come from core.optim.DenseOptimizerConfig; the SCAPE keys (docs/specs/SCAPE.md, "Options") are
+ignored by the dense optimizers (sparse_avg reads the mask keys and refuses the SCAPE-only ones).
 """
 from __future__ import annotations
 
@@ -22,6 +22,10 @@ class OptimizerConfig(DenseOptimizerConfig):
     offload_residual: bool = False
     lag: bool = True
     update: str = "lazy"  # lazy | all
-    stale_scale_cap: int = 1
+    # the study's rule (conf/optimizer/scape.yaml); the spec's: pre_send, steps, 1 (optimizer=scape_spec)
+    score_timing: str = "post_step"  # post_step | pre_send (with lag=true; lag=false scores the step itself)
+    stale_scale: str = "lr_sum"  # lr_sum | steps: how the staleness of a lazy step is measured
+    stale_scale_cap: float = 32.0  # 1 = off; > 1: scale a lazy step by min(staleness, cap); 0 = 1/density
+    lossless_clip: bool = False  # the part of ghat that clipping removes goes back to the residual
     base: str = "adams"  # adams | adamw
     score: str = "moment"  # moment | gradient

@@ -1,6 +1,8 @@
 """Validation of the SCAPE keys of ``OptimizerConfig``: a bad setting fails at start-up, naming the key."""
 from __future__ import annotations
 
+import math
+
 from scape.config import OptimizerConfig
 from scape.transport import TRANSPORTS
 
@@ -8,6 +10,8 @@ VALUE_DTYPES = ("fp32", "bf16")
 UPDATES = ("lazy", "all")
 BASES = ("adams", "adamw")
 SCORES = ("moment", "gradient")
+SCORE_TIMINGS = ("pre_send", "post_step")
+STALE_SCALES = ("steps", "lr_sum")
 
 
 def _choice(key: str, value, allowed) -> None:
@@ -57,10 +61,14 @@ def validate_config(cfg: OptimizerConfig) -> None:
     if int(cfg.sparsity_warmup_steps) != cfg.sparsity_warmup_steps or cfg.sparsity_warmup_steps < 0:
         raise ValueError(f"optimizer.sparsity_warmup_steps={cfg.sparsity_warmup_steps!r} must be an "
                          f"integer >= 0 (0 = off)")
-    if int(cfg.stale_scale_cap) != cfg.stale_scale_cap or cfg.stale_scale_cap < 1:
-        raise ValueError(f"optimizer.stale_scale_cap={cfg.stale_scale_cap!r} must be an integer >= 1 "
-                         f"(1 = off)")
-    if cfg.stale_scale_cap > 1 and cfg.update != "lazy":
+    _choice("score_timing", cfg.score_timing, SCORE_TIMINGS)
+    _choice("stale_scale", cfg.stale_scale, STALE_SCALES)
+    _choice("lossless_clip", cfg.lossless_clip, (True, False))
+    cap = cfg.stale_scale_cap
+    if not (isinstance(cap, (int, float)) and math.isfinite(cap) and (cap == 0 or cap >= 1)):
+        raise ValueError(f"optimizer.stale_scale_cap={cap!r} must be 0 (cap = 1 / density), 1 (off) "
+                         f"or a number > 1")
+    if cap != 1 and cfg.update != "lazy":
         raise ValueError(f"optimizer.stale_scale_cap={cfg.stale_scale_cap} scales lazy updates only; "
                          f"it needs optimizer.update=lazy, got {cfg.update!r}")
     b1, b2 = cfg.betas

@@ -21,14 +21,16 @@ class ScapeOptimizer:
     """
 
     def __init__(self, param: torch.Tensor, decay_end: int, lr: float, betas, eps: float,
-                 weight_decay: float, base: str = "adams", stale_scale_cap: int = 1) -> None:
+                 weight_decay: float, base: str = "adams", stale_scale: str = "steps",
+                 stale_scale_cap: float = 1.0) -> None:
         self.param = param
         self.decay_end = decay_end
         self.beta1, self.beta2 = float(betas[0]), float(betas[1])
         self.eps = float(eps)
         self.weight_decay = float(weight_decay)
         self.base = base
-        self.stale_scale_cap = int(stale_scale_cap)
+        self.stale_scale = stale_scale
+        self.stale_scale_cap = float(stale_scale_cap)
         self.param_groups = [{"lr": lr, "betas": (self.beta1, self.beta2), "eps": self.eps,
                               "weight_decay": self.weight_decay}]
         self.momentum = torch.zeros_like(param)
@@ -36,6 +38,29 @@ class ScapeOptimizer:
         # step at which each coordinate was last sent: staleness for stale_scale_cap > 1
         self.last_sent = torch.zeros(param.numel(), dtype=torch.int32, device=param.device) \
             if self.stale_scale_cap > 1 else None
+        # lr_sums[t] = lr_1 + ... + lr_t (float64), for stale_scale=lr_sum; grows with the step
+        self.lr_sums = torch.zeros(1024, dtype=torch.float64, device=param.device) \
+            if self.last_sent is not None and stale_scale == "lr_sum" else None
+
+    def _record_lr(self, step: int, lr: float) -> None:
+        """lr_sums[step] = lr_sums[step - 1] + lr (once per step; a retried step overwrites it)."""
+        if self.lr_sums is None:
+            return
+        if step >= self.lr_sums.numel():
+            grown = torch.zeros(2 * step, dtype=torch.float64, device=self.lr_sums.device)
+            grown[:self.lr_sums.numel()] = self.lr_sums
+            self.lr_sums = grown
+        self.lr_sums[step] = self.lr_sums[step - 1] + lr
+
+    def _staleness(self, indices: torch.Tensor, lr: float, step: int) -> torch.Tensor:
+        """min(staleness, cap) per coordinate of ``indices``: steps since last sent, or the sum of
+        the learning rates since then in units of this step's lr (the two agree at constant lr)."""
+        last = self.last_sent.index_select(0, indices)
+        if self.lr_sums is None:
+            since = (step - last).float()
+        else:
+            since = ((self.lr_sums[step] - self.lr_sums.index_select(0, last.long())) / lr).float()
+        return since.clamp_(max=self.stale_scale_cap)
 
     # --- the three update shapes -------------------------------------------------------------
     def dense_update(self, grad: torch.Tensor, lr: float, step: int, all_sent: bool = True) -> None:
@@ -44,6 +69,7 @@ class ScapeOptimizer:
         ``all_sent``: every coordinate's contribution was sent (a dense step), so no staleness.
         """
         self.param_groups[0]["lr"] = lr
+        self._record_lr(step, lr)
         if self.base == "adams":  # the fused kernel applies the weight decay itself
             kernels.adams_dense_update(self.param, self.momentum, grad, lr, self.beta1, self.beta2,
                                        self.eps, 1.0 - self.beta1 ** step, self.weight_decay,
@@ -58,10 +84,10 @@ class ScapeOptimizer:
         self.param_groups[0]["lr"] = lr
         if self.weight_decay != 0.0 and self.decay_end > 0:
             self.param[:self.decay_end].mul_(1.0 - lr * self.weight_decay)
+        self._record_lr(step, lr)
         scale = None
         if self.last_sent is not None:
-            since = step - self.last_sent.index_select(0, indices)
-            scale = since.clamp_(max=self.stale_scale_cap).float()
+            scale = self._staleness(indices, lr, step)
             self.last_sent.index_fill_(0, indices, step)
         if self.base == "adams":
             kernels.adams_masked_update(self.param, self.momentum, indices, grad, lr, self.beta1,
@@ -94,6 +120,8 @@ class ScapeOptimizer:
             state["second_moment"] = self.second_moment.detach().cpu().clone()
         if self.last_sent is not None:
             state["last_sent"] = self.last_sent.cpu().clone()
+        if self.lr_sums is not None:
+            state["lr_sums"] = self.lr_sums.cpu().clone()
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -108,3 +136,8 @@ class ScapeOptimizer:
                 raise ValueError(f"SCAPE checkpoint {name!r} has shape {tuple(state[name].shape)}, "
                                  f"this model needs {tuple(tensor.shape)}")
             tensor.copy_(state[name])
+        if self.lr_sums is not None:
+            if "lr_sums" not in state:
+                raise ValueError("SCAPE checkpoint has no 'lr_sums': it was written with another "
+                                 "optimizer.stale_scale")
+            self.lr_sums = state["lr_sums"].to(self.lr_sums.device, copy=True)

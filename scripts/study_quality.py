@@ -39,6 +39,7 @@ from plot_runs import plot_curves, read_metrics  # noqa: E402
 
 DEFAULT_CORPUS = REPO.parent / "shared" / "corpora" / "tinyshakespeare.txt"
 REFERENCE_ARM = "adams"
+WARMUP_STEPS = 20  # the lr warm-up of every arm (model_overrides)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,62 @@ ARMS: Dict[str, Arm] = {arm.name: arm for arm in [
         "optimizer.sparsity_warmup_steps={quarter}", "optimizer.stale_scale_cap=8"), "both", False),
 ]}
 
+# The spec's rule at both sparsities (the defaults of optimizer=scape are the study's rule), and
+# sparse model averaging; any other rule is composed from its name (compose_arm).
+for _pct, _sparsity in (("90", "0.9"), ("99", "0.99")):
+    ARMS[f"scape{_pct}_spec"] = Arm(f"scape{_pct}_spec", f"SCAPE-{_pct}, the spec's rule",
+                                    ("optimizer=scape_spec", f"optimizer.sparsity={_sparsity}"),
+                                    "docs/specs/SCAPE.md as written: pre-send score, no catch-up, no warm-up", False)
+    ARMS[f"sma{_pct}"] = Arm(f"sma{_pct}", f"sparse model averaging, {_pct}%",
+                             ("optimizer=sparse_avg", f"optimizer.sparsity={_sparsity}"),
+                             "local AdamS per rank; the k largest drifts per partition averaged each step", False)
+ARMS["sma0"] = Arm("sma0", "sparse model averaging, density 1", ("optimizer=sparse_avg", "optimizer.sparsity=0.0"),
+                   "every drift averaged every step: what local AdamS + averaging costs without sparsity", False)
+
+
+# Composed SCAPE arms, named by their recipe: scape99+post+cap32+warm20 (see compose_arm).
+_SPEC_RULE = ("optimizer.score_timing=pre_send", "optimizer.stale_scale_cap=1", "optimizer.stale_scale=steps",
+              "optimizer.sparsity_warmup_steps=0", "optimizer.lossless_clip=false")
+_PARTS = {
+    "post": (("optimizer.score_timing=post_step",), "post-step score"),
+    "cap": (("optimizer.stale_scale=steps", "optimizer.stale_scale_cap={n}"), "catch-up x steps since sent, cap {n}"),
+    "lrsum": (("optimizer.stale_scale=lr_sum", "optimizer.stale_scale_cap={n}"), "catch-up x lr-sum since sent, cap {n}"),
+    "warm": (("optimizer.sparsity_warmup_steps={n}",), "sparsity warm-up {n} steps"),
+    "clip": (("optimizer.lossless_clip=true",), "lossless clip"),
+    "noclip": (("optimizer.grad_clip=0",), "no clipping"),
+    "lr": (("optimizer.lr={n}",), "lr {n}"),
+}
+
+
+def compose_arm(name: str) -> Optional[Arm]:
+    """An arm named by its recipe, ``base+part+part...``: base scape90 / scape99 (the spec's rule at
+    that sparsity), sma90 / sma99 (sparse model averaging) or adams / adamw; parts: post, capN /
+    lrsumN (catch-up capped at N; 0 = 1 / density), warmN, clip, noclip, lrX. None if the name is
+    not of that form."""
+    base, *parts = name.split("+")
+    if not parts:
+        return None
+    if base in ("scape90", "scape99"):
+        overrides, label = [*SCAPE, f"optimizer.sparsity=0.{base[-2:]}", *_SPEC_RULE], f"SCAPE-{base[-2:]}"
+    elif base in ("sma90", "sma99"):
+        overrides, label = ["optimizer=sparse_avg", f"optimizer.sparsity=0.{base[-2:]}"], f"sparse avg {base[-2:]}%"
+    elif base in ("adams", "adamw"):
+        overrides, label = [f"optimizer={base}"], {"adams": "AdamS", "adamw": "AdamW"}[base]
+    else:
+        return None
+    labels = []
+    for part in parts:
+        key = part.rstrip("0123456789.e-") if part[:2] != "lr" or part.startswith("lrsum") else "lr"
+        number = part[len(key):]
+        if key not in _PARTS or (("{n}" in " ".join(_PARTS[key][0])) != bool(number)):
+            return None
+        items, text = _PARTS[key]
+        overrides += [item.format(n=number) for item in items]
+        labels.append(text.format(n=number))
+    return Arm(name, f"{label}, " + " + ".join(labels), tuple(merge_overrides(overrides)),
+               "composed from its name", False)
+
+
 # docs/specs/SCAPE.md "Quality targets" and SDP.md "Reference simulation": (arm, kind, bound).
 # kind "gap": final val loss - AdamS's <= bound; kind "worse_than": final val loss > that arm's.
 TARGETS: List[Tuple[str, str, object]] = [
@@ -114,7 +171,7 @@ def model_overrides(args: argparse.Namespace) -> List[str]:
         "model=tiny_llama", "model.n_layer=4", "model.d_model=128", "model.n_head=4", "model.n_kv_head=2",
         "model.ffn_hidden=384", f"model.seq_len={args.seq_len}", f"model.vocab_size={args.vocab}",
         f"tokenizer.vocab_size={args.vocab}",
-        "optimizer.lr=3e-3", "optimizer.warmup_steps=20", "optimizer.min_lr_ratio=0.1",
+        "optimizer.lr=3e-3", f"optimizer.warmup_steps={WARMUP_STEPS}", "optimizer.min_lr_ratio=0.1",
         f"train.steps={args.steps}", f"train.global_batch_tokens={args.global_batch_tokens}",
         f"train.micro_batch_size={micro}", f"train.eval_every={eval_every}",
         f"train.eval_batches={args.eval_batches}", "train.ckpt_every=0", "train.keep_last=1",
@@ -146,9 +203,10 @@ def merge_overrides(*groups: Sequence[str]) -> List[str]:
     return sorted(merged.values(), key=lambda item: "." in item.split("=", 1)[0])
 
 
-def arm_command(arm: Arm, args: argparse.Namespace, run_dir: Path) -> List[str]:
-    arm_specific = [item.format(quarter=max(1, args.steps // 4)) for item in arm.overrides]
-    overrides = merge_overrides(model_overrides(args), data_overrides(args), arm_specific, args.set or [])
+def arm_command(arm: Arm, args: argparse.Namespace, run_dir: Path, point: Sequence[str] = ()) -> List[str]:
+    """``point``: the sweep's lr and seed for this run (they win over the arm's and the study's)."""
+    arm_specific = [item.format(quarter=max(1, args.steps // 4), warmup=WARMUP_STEPS) for item in arm.overrides]
+    overrides = merge_overrides(model_overrides(args), data_overrides(args), arm_specific, point, args.set or [])
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
             str(REPO / "train.py"), *overrides, f"out_dir={run_dir.parent}", f"run_name={run_dir.name}"]
 
@@ -161,10 +219,11 @@ def _completed_with(run_dir: Path, command: List[str]) -> bool:
     return same and json.loads(summary.read_text()).get("state") == "completed"
 
 
-def run_arm(arm: Arm, args: argparse.Namespace, study_runs: Path) -> dict:
+def run_arm(arm: Arm, args: argparse.Namespace, study_runs: Path, run_name: Optional[str] = None,
+            point: Sequence[str] = ()) -> dict:
     """Train one arm (unless an identical completed run exists); returns its record for the JSON."""
-    run_dir = study_runs / arm.name
-    command = arm_command(arm, args, run_dir)
+    run_dir = study_runs / (run_name or arm.name)
+    command = arm_command(arm, args, run_dir, point)
     record = {"label": arm.label, "note": arm.note, "overrides": list(arm.overrides),
               "command": shlex.join(["torchrun", *command[3:]])}
     if not args.rerun and _completed_with(run_dir, command):
@@ -173,12 +232,12 @@ def run_arm(arm: Arm, args: argparse.Namespace, study_runs: Path) -> dict:
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    print(f"[study] {arm.name}: {record['command']}", flush=True)
+    print(f"[study] {run_dir.name}: {record['command']}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads_per_rank), WANDB_MODE="disabled",
                PYTHONUNBUFFERED="1")
     load_before = os.getloadavg()[0]
     started = time.time()
-    log_path = study_runs / f"{arm.name}.log"
+    log_path = run_dir.parent / f"{run_dir.name}.log"
     with open(log_path, "w") as log:
         try:
             proc = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -327,6 +386,148 @@ def markdown_table(results: Dict[str, dict], targets: List[dict], settings: dict
     return "\n".join(lines) + "\n"
 
 
+# --- the fair protocol: every arm at its own best learning rate, several seeds --------------------
+PRESETS = {
+    "fair": {"arms": "adams,scape90,scape99,sma90,sma99",
+             "lrs": "1e-3,2e-3,3e-3,6e-3", "seeds": "1337,1"},
+}
+
+
+def _point_name(arm: str, lr: float, seed: int) -> str:
+    return f"{arm}/lr{lr:g}_s{seed}"
+
+
+def _final_loss(run_dir: Path) -> Optional[float]:
+    summary = run_dir / "summary.json"
+    if not summary.is_file():
+        return None
+    record = json.loads(summary.read_text())
+    loss = record.get("final_val_loss")
+    return float(loss) if record.get("state") == "completed" and loss is not None and math.isfinite(loss) else None
+
+
+def best_lr(losses: Dict[float, Optional[float]]) -> Optional[float]:
+    """The lr with the lowest final loss (first seed); None if no run finished."""
+    done = {lr: loss for lr, loss in losses.items() if loss is not None}
+    return min(done, key=done.get) if done else None
+
+
+def run_sweep(args: argparse.Namespace, study_runs: Path) -> Dict[str, dict]:
+    """Stage 1: every arm at every lr with the first seed. An arm whose best lr is an end of the
+    grid gets the next lr beyond it (x2 or /2, up to --max-extend times). Stage 2: the other
+    seeds at each arm's best lr. Completed runs are reused, so the sweep resumes."""
+    first = args.seeds[0]
+    arms: Dict[str, dict] = {}
+    for name in args.arm_names:
+        lrs = sorted(args.lrs)
+        losses: Dict[float, Optional[float]] = {}
+        for _ in range(args.max_extend + 1):
+            for lr in lrs:
+                if lr not in losses:
+                    if not args.report_only:
+                        run_arm(ARMS[name], args, study_runs, _point_name(name, lr, first),
+                                (f"optimizer.lr={lr:g}", f"seed={first}"))
+                    losses[lr] = _final_loss(study_runs / _point_name(name, lr, first))
+            best = best_lr(losses)
+            if best is None or (best != lrs[0] and best != lrs[-1]):
+                break
+            lrs.append(lrs[-1] * 2) if best == lrs[-1] else lrs.insert(0, lrs[0] / 2)
+        best = best_lr(losses)
+        seeds: Dict[int, Optional[float]] = {first: losses.get(best)} if best is not None else {}
+        for seed in args.seeds[1:]:
+            if best is None:
+                break
+            if not args.report_only:
+                run_arm(ARMS[name], args, study_runs, _point_name(name, best, seed),
+                        (f"optimizer.lr={best:g}", f"seed={seed}"))
+            seeds[seed] = _final_loss(study_runs / _point_name(name, best, seed))
+        arms[name] = {"label": ARMS[name].label, "overrides": list(ARMS[name].overrides),
+                      "lr_losses_first_seed": {f"{lr:g}": loss for lr, loss in sorted(losses.items())},
+                      "best_lr": best, "seed_losses_at_best_lr": {str(k): v for k, v in seeds.items()}}
+        if best is not None:
+            run_dir = study_runs / _point_name(name, best, first)
+            summary = json.loads((run_dir / "summary.json").read_text())
+            arms[name]["bytes_sent_per_rank"] = summary.get("bytes_sent_per_rank")
+            arms[name]["dense_bytes_per_rank"] = summary.get("dense_bytes_per_rank")
+            arms[name]["curve"] = val_curve(run_dir)
+            arms[name]["run_dir"] = str(run_dir)
+    return arms
+
+
+def _mean(values: Sequence[float]) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def sweep_gaps(arms: Dict[str, dict], shared_lr: float, first_seed: int) -> Dict[str, dict]:
+    """Best-against-best gaps to AdamS (mean over seeds; per-seed paired gaps for the spread)
+    and the gap at the shared lr (first seed)."""
+    ref = arms.get(REFERENCE_ARM, {})
+    ref_seeds = ref.get("seed_losses_at_best_lr", {})
+    ref_mean = _mean(list(ref_seeds.values()))
+    ref_shared = ref.get("lr_losses_first_seed", {}).get(f"{shared_lr:g}")
+    out = {}
+    for name, arm in arms.items():
+        seeds = arm.get("seed_losses_at_best_lr", {})
+        mean = _mean(list(seeds.values()))
+        paired = [seeds[s] - ref_seeds[s] for s in seeds if seeds[s] is not None and ref_seeds.get(s) is not None]
+        shared = arm.get("lr_losses_first_seed", {}).get(f"{shared_lr:g}")
+        out[name] = {"mean": mean, "gap": None if mean is None or ref_mean is None else mean - ref_mean,
+                     "paired_gaps": paired,
+                     "shared_gap": None if shared is None or ref_shared is None else shared - ref_shared}
+    return out
+
+
+def sweep_table(arms: Dict[str, dict], gaps: Dict[str, dict], args: argparse.Namespace) -> str:
+    lrs = sorted({float(lr) for arm in arms.values() for lr in arm["lr_losses_first_seed"]})
+    head = " | ".join(f"lr {lr:g}" for lr in lrs)
+    lines = [f"| arm | {head} | best lr | val loss at best lr ({', '.join(f's{s}' for s in args.seeds)}) | mean "
+             f"| gap to AdamS, best vs best (per seed) | gap at lr {args.shared_lr:g} | of dense bytes |",
+             "|---|" + "---:|" * len(lrs) + "---:|---|---:|---|---:|---:|"]
+    for name, arm in arms.items():
+        cells = [_fmt(arm["lr_losses_first_seed"].get(f"{lr:g}"), ".4f", "") for lr in lrs]
+        best = arm.get("best_lr")
+        cells = [f"**{c}**" if best is not None and f"{lr:g}" == f"{best:g}" and c else c for c, lr in zip(cells, lrs)]
+        seeds = " / ".join(_fmt(v, ".4f") for v in arm["seed_losses_at_best_lr"].values())
+        g = gaps[name]
+        paired = ", ".join(f"{v:+.4f}" for v in g["paired_gaps"])
+        gap = "—" if name == REFERENCE_ARM else f"{_fmt(g['gap'], '+.4f')} ({paired})"
+        share = (arm.get("bytes_sent_per_rank") or math.nan) / (arm.get("dense_bytes_per_rank") or math.nan)
+        lines.append(f"| {arm['label']} | {' | '.join(cells)} | {'—' if best is None else f'{best:g}'} | {seeds} "
+                     f"| {_fmt(g['mean'], '.4f')} | {gap} | "
+                     f"{'—' if name == REFERENCE_ARM else _fmt(g['shared_gap'], '+.4f')} | {_fmt(share, '.1%')} |")
+    lines += ["", f"Settings: {args.description}. Best lr chosen by the first seed's final validation loss "
+              f"(in bold); the other seeds run at that lr; an arm whose best lr was an end of the grid got the "
+              f"next lr beyond it."]
+    return "\n".join(lines) + "\n"
+
+
+def sweep_main(args: argparse.Namespace, study_runs: Path, invocation: str) -> int:
+    machine_start = machine_info()
+    arms = run_sweep(args, study_runs)
+    gaps = sweep_gaps(arms, args.shared_lr, args.seeds[0])
+    table = sweep_table(arms, gaps, args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.md").write_text(table)
+    report = {"study": args.name, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+              "command": invocation, "protocol": "per-arm lr sweep (first seed), other seeds at the best lr",
+              "settings": {"description": args.description, "lrs": args.lrs, "seeds": args.seeds,
+                           "steps": args.steps, "global_batch_tokens": args.global_batch_tokens,
+                           "nproc": args.nproc, "extra_overrides": args.set or []},
+              "machine": {**machine_start, "load_avg_1_5_15min_end": [round(x, 2) for x in os.getloadavg()]},
+              "gaps": gaps, "arms": arms}
+    (args.out / f"{args.name}.json").write_text(json.dumps(report, indent=1))
+    finished = {f"{a['label']} (lr {a['best_lr']:g})": read_metrics(Path(a["run_dir"]))
+                for a in arms.values() if a.get("run_dir")}
+    if finished:
+        plot_curves(finished, args.out / f"{args.name}_val_loss.png", "val/loss", ("step", "bytes"),
+                    title=f"'{args.name}': each arm at its best lr, seed {args.seeds[0]}")
+    print(table)
+    print(f"[study] wrote {args.out / (args.name + '.md')}, .json and _val_loss.png")
+    return 0 if all(a.get("best_lr") is not None for a in arms.values()) else 1
+
+
+
 def machine_info() -> dict:
     return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
             "torch": __import__("torch").__version__, "backend": "gloo (CPU)",
@@ -360,10 +561,40 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per arm")
     parser.add_argument("--rerun", action="store_true", help="train arms again even if a completed run matches")
     parser.add_argument("--report-only", action="store_true", help="only rebuild table, JSON and plots")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="fair: the issue's protocol (arms, lrs, seeds)")
+    parser.add_argument("--lrs", default="", help="comma-separated learning rates: sweep each arm over them "
+                        "(the fair protocol); empty = every arm at lr 3e-3")
+    parser.add_argument("--seeds", default="", help="comma-separated seeds for a sweep (default: --seed)")
+    parser.add_argument("--max-extend", type=int, default=2, help="lrs added beyond a grid end that wins")
+    parser.add_argument("--shared-lr", type=float, default=3e-3, help="the lr of the shared-lr gap column")
     args = parser.parse_args(argv)
+    if args.preset:
+        preset = PRESETS[args.preset]
+        given = set(argv if argv is not None else sys.argv[1:])
+        args.arms = args.arms if "--arms" in given else preset["arms"]
+        args.lrs = args.lrs or preset["lrs"]
+        args.seeds = args.seeds or preset["seeds"]
+    try:
+        args.lrs = [float(x) for x in args.lrs.split(",") if x.strip()]
+        args.seeds = [int(x) for x in args.seeds.split(",") if x.strip()] or [args.seed]
+    except ValueError as exc:
+        parser.error(f"--lrs / --seeds: {exc}")
+    if any(not (lr > 0 and math.isfinite(lr)) for lr in args.lrs):
+        parser.error(f"--lrs must be positive numbers, got {args.lrs}")
+    args.sweep = bool(args.lrs) or len(args.seeds) > 1
+    if args.sweep and not args.lrs:
+        args.lrs = [3e-3]
+    corpus = Path(args.corpus).name if args.corpus != "embedded" else "embedded corpus"
+    args.description = (f"{corpus}, BPE vocab {args.vocab}, tiny Llama (4 blocks, d 128), {args.nproc} gloo ranks, "
+                        f"{args.global_batch_tokens} tokens per step, {args.steps} steps, "
+                        f"{WARMUP_STEPS} warm-up steps then cosine to 10%")
     aliases = {"all": [n for n, a in ARMS.items() if a.in_all], "extra": [n for n, a in ARMS.items() if not a.in_all]}
     names = [n for item in args.arms.split(",") if item.strip()
              for n in aliases.get(item.strip(), [item.strip()])]
+    for name in names:
+        composed = None if name in ARMS else compose_arm(name)
+        if composed is not None:
+            ARMS[name] = composed
     unknown = [n for n in names if n not in ARMS]
     if unknown:
         parser.error(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
@@ -375,6 +606,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     study_runs = args.runs_dir / args.name
     invocation = shlex.join(["python", "scripts/study_quality.py", *(sys.argv[1:] if argv is None else argv)])
+    if args.sweep:
+        return sweep_main(args, study_runs, invocation)
     machine_start = machine_info()
     arm_records: Dict[str, dict] = {}
     if not args.report_only:

@@ -61,6 +61,9 @@ def build_synchronizer(model_cfg: Any, sdp_cfg: Any, opt_cfg: Any, world_size: i
     if getattr(opt_cfg, "name", "adamw") == "scape":
         raise ValueError("optimizer=scape is not supported with SDP yet (SCAPE inside holder groups); "
                          "use optimizer=adams or optimizer=adamw")
+    if getattr(opt_cfg, "name", "adamw") == "sparse_avg":
+        raise ValueError("optimizer=sparse_avg is not supported with SDP (sdp.kind must be none); "
+                         "use optimizer=adams or optimizer=adamw")
     plan = make_plan(model_cfg, sdp_cfg, world_size)
     spec = plan.subnet_spec(rank) if sdp_cfg.masking == "forward" else None
     with skip_meta_init():  # the factory sizes sliced tensors on a meta copy of the full model

@@ -99,8 +99,9 @@ def load_checkpoint(ckpt: Path, sync, env: DistEnv) -> Dict[str, Any]:
 class Checkpointer:
     """Writes the run's step-N checkpoints and decides when: every ``every`` steps (0 = never),
     at the last step and when the job stops. Mid-trouble (non-finite steps in a row) it writes no
-    periodic checkpoint, so rotation never deletes the good ones. The model holds the weights to
-    save inside ``sync.evaluation_weights()``."""
+    periodic checkpoint, so rotation never deletes the good ones. The weights saved are
+    ``sync.model_state_dict()`` (e.g. sparse_avg's average of the ranks' copies), next to each
+    rank's own training state, so the save runs outside ``sync.evaluation_weights()``."""
 
     def __init__(self, run_dir: Path, sync, env: DistEnv, every: int, keep_last: int,
                  meta: Callable[[int], Dict[str, Any]]) -> None:
@@ -113,8 +114,7 @@ class Checkpointer:
         return periodic or last or stopping
 
     def save(self, step: int) -> Path:
-        with self.sync.evaluation_weights():
-            path = save_checkpoint(self.run_dir, step, self.sync, self.env, self.meta(step), self.keep_last)
+        path = save_checkpoint(self.run_dir, step, self.sync, self.env, self.meta(step), self.keep_last)
         self.saved_at = step
         return path
 

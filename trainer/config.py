@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 from core.choices import check_choice
 from data.config import DataConfig, TokenizerConfig
@@ -25,7 +26,7 @@ from sdp.config import SDPConfig
 Precision = Literal["auto", "bf16", "fp32"]  # auto: bf16 autocast on CUDA, fp32 on CPU
 Device = Literal["auto", "cpu", "cuda"]
 WandbMode = Literal["auto", "online", "offline", "disabled"]  # auto: online with an API key
-OptimizerName = Literal["adamw", "adams", "scape"]
+OptimizerName = Literal["adamw", "adams", "scape", "sparse_avg"]
 
 
 class ConfigError(ValueError):
@@ -132,8 +133,6 @@ def to_config(cfg: Any) -> Config:
     """The run's typed config from Hydra's DictConfig (interpolations resolved, every value checked)."""
     if isinstance(cfg, Config):
         return cfg
-    from omegaconf import OmegaConf
-
     return OmegaConf.to_object(cfg)
 
 
@@ -152,5 +151,13 @@ def accumulation_steps(global_batch_tokens: int, micro_batch_size: int, seq_len:
     return global_batch_tokens // per_micro
 
 
+def _times(factor, steps) -> int:
+    """``${times:3,${.warmup_steps}}``: a step count as a multiple of another (rounded)."""
+    return int(round(float(factor) * float(steps)))
+
+
 def register_configs() -> None:
     ConfigStore.instance().store(name="schema", node=Config)
+    # conf/optimizer/scape.yaml and sparse_avg.yaml tie the sparsity warm-up to the lr warm-up with
+    # it; every compose site (train.py, tests, scripts) calls this function first
+    OmegaConf.register_new_resolver("times", _times, replace=True)

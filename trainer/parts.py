@@ -10,7 +10,7 @@ from typing import Any, Tuple
 
 import torch
 
-import scape  # noqa: F401 - registers the "scape" synchroniser
+import scape  # noqa: F401 - registers the "scape" and "sparse_avg" synchronisers
 import sdp  # noqa: F401 - registers the "sdp" synchroniser
 from core.comm import Collectives
 from core.optim import build_optimizer
@@ -29,7 +29,7 @@ register_synchronizer("dense", _build_dense)
 def synchronizer_name(cfg: Any) -> str:
     if cfg.sdp.kind != "none":
         return "sdp"
-    return "scape" if cfg.optimizer.name == "scape" else "dense"
+    return cfg.optimizer.name if cfg.optimizer.name in ("scape", "sparse_avg") else "dense"
 
 
 def build_synchronizer(cfg: Any, device: torch.device, comm: Collectives) -> GradientSynchronizer:

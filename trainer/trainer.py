@@ -186,11 +186,12 @@ class Trainer:
                                         self.total_steps, t.global_batch_tokens, self.flops_per_token,
                                         env.world_size, env.device, self.dense_bytes, self._bytes_at_start)
         self.downstream = None
-        if t.downstream_every and env.is_main:
+        if t.downstream_every:  # on every rank (evaluation_weights may be a collective); rank 0 scores
             from data import load_tokenizer
 
-            self.downstream = DownstreamEvaluator(self.sync, load_tokenizer(self.prepared), t.downstream_every,
-                                                  t.downstream_tasks, t.downstream_limit, t.downstream_include_path)
+            tokenizer = load_tokenizer(self.prepared) if env.is_main else None
+            self.downstream = DownstreamEvaluator(self.sync, tokenizer, t.downstream_every, t.downstream_tasks,
+                                                  t.downstream_limit, t.downstream_include_path)
         self.batches = self.train_data.batches(self.start_step, self.accum)
         self.validator = Validator(self.sync, self.sync.validation_model(self.train_model),
                                    self.val_data.eval_batches(t.eval_batches), env.device, self.autocast,

@@ -51,26 +51,30 @@ class Validator:
 
 
 class DownstreamEvaluator:
-    """Rank 0's in-loop lm-eval scorer every ``every`` steps. It needs no collective: other ranks
-    wait at the next step's all-reduce. A task that cannot run (e.g. hub data offline) disables it
-    once, with a message."""
+    """In-loop lm-eval scoring every ``every`` steps. Every rank calls ``maybe_evaluate`` and enters
+    ``sync.evaluation_weights()`` (it may be a collective, e.g. sparse_avg's average); only the
+    rank given a ``tokenizer`` (rank 0) scores, the others wait at the next collective. A task that
+    cannot run (e.g. hub data offline) disables scoring once, with a message."""
 
     def __init__(self, sync, tokenizer, every: int, tasks: str, limit: Optional[float],
                  include_path: Optional[str]) -> None:
         self.sync, self.tokenizer, self.every = sync, tokenizer, every
         self.tasks, self.limit, self.include_path = tasks, limit, include_path
-        self.enabled = True
+        self.enabled = tokenizer is not None
 
     def maybe_evaluate(self, step: int) -> Dict[str, float]:
-        if not (self.enabled and self.every and step % self.every == 0):
+        if not (self.every and step % self.every == 0):
             return {}
+        with self.sync.evaluation_weights():
+            return self._score() if self.enabled else {}
+
+    def _score(self) -> Dict[str, float]:
         from evaluation.harness import DownstreamEvalError
         from evaluation.in_loop import downstream_eval_metrics
 
         try:
-            with self.sync.evaluation_weights():
-                return downstream_eval_metrics(self.sync.downstream_model(), self.tokenizer, self.tasks,
-                                               limit=self.limit, include_path=self.include_path)
+            return downstream_eval_metrics(self.sync.downstream_model(), self.tokenizer, self.tasks,
+                                           limit=self.limit, include_path=self.include_path)
         except DownstreamEvalError as exc:
             self.enabled = False
             print(f"downstream evaluation disabled for this run: {exc}", flush=True)

@@ -14,9 +14,11 @@ def _gathered(tensor: torch.Tensor, world: int):
 
 
 CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.99, value_dtype="bf16", mask_transport="indices"),
-           dict(sparsity=0.9, lag=False, score="gradient"), dict(sparsity=0.9, update="all"),
+           dict(sparsity=0.9, lag=False, score="gradient"), dict(sparsity=0.9, update="all", stale_scale_cap=1),
            dict(sparsity=0.9, base="adamw", offload_residual=True),
-           dict(sparsity=0.8, stale_scale_cap=4, sparsity_warmup_steps=4, dense_warmup_steps=2)]
+           dict(sparsity=0.8, stale_scale_cap=4, sparsity_warmup_steps=4, dense_warmup_steps=2),
+           dict(sparsity=0.9, score_timing="post_step", stale_scale="lr_sum", stale_scale_cap=0,
+                offload_residual=True)]
 
 
 def _replicas_conservation_k(rank: int, world: int) -> None:

@@ -17,7 +17,8 @@ from scape.topk import SAMPLE_SIZE, topk_indices, topk_mask
     ("mask_transport", "zip", "bitmap, indices, auto"), ("value_dtype", "fp16", "fp32, bf16"),
     ("update", "eager", "lazy, all"), ("base", "sgd", "adams, adamw"),
     ("score", "hessian", "moment, gradient"), ("dense_warmup_steps", 0, "dense_warmup_steps"),
-    ("stale_scale_cap", 0, "stale_scale_cap"), ("sparsity_warmup_steps", -1, "sparsity_warmup"),
+    ("stale_scale_cap", 0.5, "stale_scale_cap"), ("score_timing", "after", "score_timing"),
+    ("stale_scale", "time", "stale_scale"), ("sparsity_warmup_steps", -1, "sparsity_warmup"),
 ])
 def test_invalid_settings_fail_naming_the_key_and_allowed_values(key, value, needle):
     cfg = OptimizerConfig(name="scape", **{key: value})

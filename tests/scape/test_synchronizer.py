@@ -29,7 +29,7 @@ def test_lazy_update_moves_off_mask_weights_by_weight_decay_only():
 
 def test_update_all_moves_every_weight():
     model = make_model()
-    sync = ScapeSynchronizer(model, scape_config(sparsity=0.9, update="all", weight_decay=0.0))
+    sync = ScapeSynchronizer(model, scape_config(sparsity=0.9, update="all", stale_scale_cap=1, weight_decay=0.0))
     train(model, sync, 2, rank=0)
     before = sync.flat.data.clone()
     train(model, sync, 1, rank=0, start=2)
@@ -66,7 +66,7 @@ def test_offloaded_residual_in_chunks_matches_the_device_residual():
 def test_score_gradient_ranks_the_contribution_and_moment_adds_momentum():
     for score in ("moment", "gradient"):
         model = make_model()
-        sync = ScapeSynchronizer(model, scape_config(sparsity=0.9, score=score))
+        sync = ScapeSynchronizer(model, scape_config(sparsity=0.9, score=score, score_timing="pre_send"))
         train(model, sync, 2, rank=0)
         captured = {}
         momentum = sync.optimizer.momentum.clone()

@@ -53,6 +53,8 @@ def test_study_runs_arms_and_reports(prepared_cache, tmp_path):
             "--name", "smoke", "--out", str(out), "--runs-dir", str(runs), "--timeout", "240"]
     for item in DEBUG_MODEL:
         argv += ["--set", item]
+    # the default rule's sparsity warm-up (3 lr warm-ups) would keep 4 steps nearly dense
+    argv += ["--set", "optimizer.sparsity_warmup_steps=0"]
     assert study.main(argv) == 0, "\n".join(p.read_text()[-3000:] for p in (runs / "smoke").glob("*.log"))
 
     report = json.loads((out / "smoke.json").read_text())
@@ -80,3 +82,53 @@ def test_study_runs_arms_and_reports(prepared_cache, tmp_path):
     again = json.loads((out / "smoke.json").read_text())["arms"]
     assert {n: (runs / "smoke" / n / "summary.json").stat().st_mtime for n in arms} == written
     assert again["scape99"]["summary"] == arms["scape99"]["summary"]
+
+
+def test_composed_arms_follow_their_recipe_and_bad_names_are_refused():
+    arm = study.compose_arm("scape99+post+lrsum32+warm60+noclip")
+    overrides = dict(item.split("=", 1) for item in arm.overrides)
+    assert overrides["optimizer"] == "scape" and overrides["optimizer.sparsity"] == "0.99"
+    assert overrides["optimizer.score_timing"] == "post_step"
+    assert overrides["optimizer.stale_scale"] == "lr_sum" and overrides["optimizer.stale_scale_cap"] == "32"
+    assert overrides["optimizer.sparsity_warmup_steps"] == "60" and overrides["optimizer.grad_clip"] == "0"
+    spec = dict(item.split("=", 1) for item in study.compose_arm("scape90+lr6e-3").overrides)
+    assert spec["optimizer.score_timing"] == "pre_send" and spec["optimizer.stale_scale_cap"] == "1"
+    assert spec["optimizer.lr"] == "6e-3"
+    assert dict(i.split("=", 1) for i in study.compose_arm("sma99+warm20").overrides)["optimizer"] == "sparse_avg"
+    for bad in ("scape99", "scape99+cap", "scape99+post7", "scape50+post", "bsdp50+post"):
+        assert study.compose_arm(bad) is None, bad
+    with pytest.raises(SystemExit):
+        study.parse_args(["--arms", "scape99+nonsense"])
+
+
+def test_sweep_extends_a_winning_grid_end_and_runs_other_seeds_at_the_best_lr(tmp_path, monkeypatch):
+    """run_sweep with a stand-in trainer whose loss is a parabola in log(lr), minimum at 8e-3."""
+    ran = []
+
+    def fake_run_arm(arm, args, study_runs, run_name, point):
+        lr = float(point[0].split("=")[1])
+        seed = int(point[1].split("=")[1])
+        ran.append((arm.name, lr, seed))
+        loss = (math.log(lr / (8e-3 if arm.name != "adams" else 2e-3))) ** 2 + 4.0 + 0.01 * seed
+        run_dir = study_runs / run_name
+        run_dir.mkdir(parents=True)
+        (run_dir / "summary.json").write_text(json.dumps({
+            "state": "completed", "final_val_loss": loss, "bytes_sent_per_rank": 1.0,
+            "dense_bytes_per_rank": 10.0}))
+        (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "val/loss": loss,
+                                                           "comm/bytes_cumulative": 1.0}) + "\n")
+        return {}
+
+    monkeypatch.setattr(study, "run_arm", fake_run_arm)
+    args = study.parse_args(["--arms", "adams,scape99", "--lrs", "1e-3,2e-3,4e-3", "--seeds", "1,2",
+                             "--out", str(tmp_path / "out"), "--runs-dir", str(tmp_path / "runs")])
+    arms = study.run_sweep(args, tmp_path / "runs")
+    assert arms["adams"]["best_lr"] == pytest.approx(2e-3)  # inside the grid: no extension
+    assert arms["scape99"]["best_lr"] == pytest.approx(8e-3)  # 4e-3 won, so 8e-3 was added
+    assert ("scape99", 8e-3, 1) in ran and ("scape99", 1.6e-2, 1) in ran  # 8e-3 won too: one more
+    assert [r for r in ran if r[2] == 2] == [("adams", 2e-3, 2), ("scape99", 8e-3, 2)]
+    gaps = study.sweep_gaps(arms, 2e-3, 1)
+    assert gaps["scape99"]["gap"] == pytest.approx(0.0, abs=1e-9)  # both at their own minimum
+    assert gaps["scape99"]["shared_gap"] > 1.0  # at AdamS's lr SCAPE is far from its own best
+    table = study.sweep_table(arms, gaps, args)
+    assert "**4.0100**" in table and "| 0.008 |" in table

@@ -1,0 +1,281 @@
+"""Sparse model averaging (``optimizer.name=sparse_avg``): local AdamS, sparse averaging of drifts.
+
+SCAPE keeps one model on every rank and sends a sparse slice of the gradient statistics; this
+optimizer keeps one model *per* rank and sends a sparse slice of how far each model has moved
+away from the others. Same bytes per step (k values per partition plus the mask all-gather), the
+same number of state buffers, one all-reduce per step on the critical path.
+
+State
+    replicated (identical on every rank by construction): the consensus x (flat fp32, padded as
+    ``scape.partition.Partitioning`` says), the mask M, the step t.
+    per rank: the local copy y_i -- the model's parameters ARE y_i (views into one flat buffer,
+    ``core.flat.FlatParameters``) -- and the local AdamS momentum m_i. The drift is
+    d_i = y_i - x; it is never stored, so a checkpoint holds y_i bit for bit.
+
+One step t, in the loop's order
+    reduce_gradients  wait for M_t's all-gather (started in the previous after_step); payload =
+                      d_i[M_t] (k values per partition, in flat order) plus one float, this rank's
+                      squared local gradient norm; ONE all-reduce (kind scape_values);
+                      x[M_t] += mean_i d_i[M_t];  y_i[M_t] = x[M_t]  (d_i = 0 there).
+    clip_gradients    every worker is its own optimizer: this rank's gradient is clipped by its
+                      own norm. The returned norm is sqrt(mean_i ||g_i||^2), the root mean square
+                      of the local norms, from the all-reduced squared norms: every rank gets the
+                      same number, so a non-finite step is skipped by all ranks together.
+    step              dense AdamS on y_i with the local gradient and the local momentum
+                      (``scape.kernels.adams_dense_update``: decoupled weight decay on the
+                      ndim >= 2 prefix of the flat layout, exactly dense AdamS's arithmetic).
+    after_step        score |d_i| = |y_i - x| on this rank's own partition(s); exact top-k per
+                      partition (``scape.topk``), k = ceil(density(t+1) |P_r|) with SCAPE's
+                      sparsity warm-up; encode (``scape.transport``: bitmap / indices / auto) and
+                      start the async all-gather of M_{t+1} (kind scape_mask), waited on in the
+                      next reduce_gradients.
+
+Why this shape
+    * The values sent at t+1 are exactly the drift that was scored at t (nothing changes y_i in
+      between), so the mask is fresh: no lag error, unlike SCAPE's score of the statistics before
+      the send.
+    * Off the mask nothing is lost: a coordinate that is not sent keeps moving locally with full
+      dense AdamS steps, and its accumulated drift is averaged in whenever it is selected. The
+      exchange never changes the average model x + mean_i d_i (in exact arithmetic): it only moves
+      mass from the drifts into the consensus.
+    * With density 1 every step ends in the dense average of the ranks' models: the copies are
+      identical after the exchange and x(t+1) = mean_i AdamS_i(x(t)) (local SGD with H = 1,
+      using AdamS with local momentum).
+    * Step 1 has no mask and no drift (all copies start from the same seed), so only the norm
+      crosses (a 1-float all-reduce). ``dense_warmup_steps: W`` exchanges the whole drift on
+      steps 2..W (the dense average of the models); the first sparse mask is scored after step W.
+    * ``value_dtype=bf16`` sends the drift in bf16; the rounding error stays in y_i
+      (y_i[M] = x[M] + d_i[M] - bf16(d_i[M])), as SCAPE keeps it in its residual, so the average
+      model is not changed by the cast.
+
+The model to validate, save and export is the average mean_i y_i = x + mean_i d_i: one dense
+all-reduce (kind ``average``), only at evaluation and checkpoint time (``evaluation_weights``,
+``model_state_dict``). The trainer counts bytes per training step, so -- like the validation
+loss all-reduce -- it is not part of the per-step bytes or the compression ratio.
+
+Checkpoints: ``state_dict`` (rank 0) holds x, the step and the pending mask as a bitmap;
+``local_state_dict`` (every rank) holds y_i and m_i. The trainer loads the model weights (the
+average) first, then these two, so y_i is restored exactly and a resumed run is bit-identical.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Dict, Iterator, Optional
+
+import torch
+
+from core.comm import Collectives, all_reduce_bytes
+from scape import kernels
+from scape.accounting import VALUE_BYTES, scape_step_bytes
+from scape.config import OptimizerConfig
+from scape.masking import MaskedSynchronizer
+from scape.options import as_dataclass, validate_config
+
+NAME = "sparse_avg"
+# SCAPE keys that have no meaning here: a non-default value is an error, not silently ignored.
+SCAPE_ONLY_KEYS = ("offload_residual", "lag", "update", "stale_scale_cap", "stale_scale", "base",
+                   "score", "score_timing", "lossless_clip")
+
+
+def validate_sparse_avg(cfg: OptimizerConfig) -> None:
+    """SCAPE's checks of the shared keys, and no SCAPE-only key away from its default."""
+    validate_config(cfg)
+    fields = OptimizerConfig.__dataclass_fields__
+    for key in SCAPE_ONLY_KEYS:
+        if key in fields and getattr(cfg, key) != fields[key].default:
+            raise ValueError(f"optimizer.{key}={getattr(cfg, key)!r} is a SCAPE option; "
+                             f"optimizer=sparse_avg does not use it (leave it at "
+                             f"{fields[key].default!r})")
+
+
+def sparse_avg_step_bytes(numel: int, world: int, sparsity: float, mask_transport: str = "auto",
+                          value_dtype: str = "fp32") -> Dict[str, float]:
+    """Bytes per rank of a sparse step: SCAPE's formula plus the one norm value in the payload."""
+    out = dict(scape_step_bytes(numel, world, sparsity, mask_transport, value_dtype))
+    out["values"] += all_reduce_bytes(VALUE_BYTES[value_dtype], world)
+    out["total"] = out["values"] + out["mask"]
+    return out
+
+
+class _LocalAdamS:
+    """This rank's AdamS over the flat buffer y_i: the momentum and torch-like ``param_groups``."""
+
+    def __init__(self, param: torch.Tensor, decay_end: int, cfg: OptimizerConfig) -> None:
+        self.param, self.decay_end = param, decay_end
+        self.beta1, self.beta2 = float(cfg.betas[0]), float(cfg.betas[1])
+        self.eps, self.weight_decay = float(cfg.eps), float(cfg.weight_decay)
+        self.param_groups = [{"lr": cfg.lr, "betas": (self.beta1, self.beta2), "eps": self.eps,
+                              "weight_decay": self.weight_decay}]
+        self.momentum = torch.zeros_like(param)
+
+    def step(self, grad: torch.Tensor, lr: float, step: int) -> None:
+        self.param_groups[0]["lr"] = lr
+        kernels.adams_dense_update(self.param, self.momentum, grad, lr, self.beta1, self.beta2,
+                                   self.eps, 1.0 - self.beta1 ** step, self.weight_decay,
+                                   self.decay_end)
+
+
+class SparseAverageSynchronizer(MaskedSynchronizer):
+    """Sparse model averaging over one flat fp32 view of the model's trainable parameters."""
+
+    def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig,
+                 comm: Optional[Collectives] = None) -> None:
+        cfg = as_dataclass(cfg)
+        validate_sparse_avg(cfg)
+        self.cfg = cfg
+        decay_numel = self._flatten(model, NAME, comm=comm)  # self.flat.data is y_i
+        super().__init__(model, _LocalAdamS(self.flat.data, decay_numel, cfg), self.comm)
+        self.consensus = self.flat.data.clone()  # x: every rank seeds identically, so y_i = x
+        self.value_dtype = torch.bfloat16 if cfg.value_dtype == "bf16" else torch.float32
+
+        self.step_count = 0  # steps completed
+        self._local_norm: Optional[torch.Tensor] = None
+        self._global_sq: Optional[torch.Tensor] = None  # sum over ranks of ||g_i||^2
+        self._sent = 0  # coordinates averaged this step
+
+    # --- the loop's calls ----------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        self.flat.zero_grad()
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        step = self.step_count + 1
+        self.masks.start_step()
+        y, x = self.flat.data, self.consensus
+        self._local_norm = torch.linalg.vector_norm(self.flat.grad)
+        if step == 1:  # no drift yet (every copy starts at x), no mask: only the norm crosses
+            mask, count = None, 0
+        elif self.is_dense(step):
+            mask, count = None, self.layout.padded_numel
+        else:
+            mask = self.masks.mask_for(step)
+            count = mask.numel()
+        payload = torch.empty(count + 1, dtype=self.value_dtype, device=self.device)
+        kept = None  # bf16 payload: the rounding error of what was sent, kept in y_i
+        if count:
+            drift = y - x if mask is None else y.index_select(0, mask) - x.index_select(0, mask)
+            payload[:count].copy_(drift)
+            if self.value_dtype != torch.float32:
+                kept = drift.sub_(payload[:count].float())
+        payload[count] = self._local_norm.square()
+        self.comm.all_reduce(payload, kind="scape_values")
+        self._global_sq = payload[count].float()
+        self._sent = count
+        if not count:
+            return
+        mean = payload[:count].float().div_(self.world)
+        if mask is None:
+            x.add_(mean)
+            if kept is None:
+                y.copy_(x)
+            else:
+                torch.add(x, kept, out=y)
+        else:
+            x.index_add_(0, mask, mean)
+            snapped = x.index_select(0, mask)
+            kernels.scatter(y, mask, snapped if kept is None else snapped.add_(kept))
+
+    @torch.no_grad()
+    def clip_gradients(self, max_norm: float) -> float:
+        """Clip this rank's gradient by its own norm; return the ranks' RMS norm (the same everywhere)."""
+        if max_norm > 0:
+            self.flat.grad.mul_(torch.clamp(max_norm / (self._local_norm + 1e-6), max=1.0))
+        total = float(self._global_sq)
+        return math.sqrt(total / self.world) if math.isfinite(total) else total
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        step = self.step_count + 1
+        self.optimizer.step(self.flat.grad, lr, step)
+        self.step_count = step
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        following = self.step_count + 1
+        self.masks.overlap = None
+        if self.is_dense(following):
+            return
+        own = slice(self.layout.owned_start, self.layout.owned_start + self.layout.owned_numel)
+        torch.sub(self.flat.data[own], self.consensus[own], out=self.score).abs_()
+        # a mask loaded or waited for without a step since is not the one M_{t+1} follows
+        self.masks.exchange(following, self.k_at(following), async_op=True,
+                            overlap=self.mask_step == self.step_count)
+
+    # --- the averaged model --------------------------------------------------------------------
+    @torch.no_grad()
+    def averaged_weights(self) -> torch.Tensor:
+        """x + mean_i d_i as a new flat buffer: one dense all-reduce (kind ``average``), collective."""
+        drift = self.flat.data - self.consensus
+        self.comm.all_reduce(drift, kind="average")
+        return drift.div_(self.world).add_(self.consensus)
+
+    @contextlib.contextmanager
+    def evaluation_weights(self) -> Iterator[None]:
+        """Inside, the model holds the average of the ranks' copies; y_i is restored exactly after."""
+        with torch.no_grad():
+            average = self.averaged_weights()
+            local = self.flat.data.clone()
+            self.flat.data.copy_(average)
+            del average
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                self.flat.data.copy_(local)
+
+    def model_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The averaged model (collective: every rank calls)."""
+        with self.evaluation_weights():
+            return {name: t.detach().clone() for name, t in self.model.state_dict().items()}
+
+    def load_model_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
+        """Load weights as the consensus with zero drift (a checkpoint's local state then restores y_i)."""
+        super().load_model_state_dict(state)
+        self.consensus.copy_(self.flat.data)
+
+    # --- metrics -------------------------------------------------------------------------------
+    def metrics(self) -> Dict[str, float]:
+        out = {"scape/density": self._sent / self.layout.padded_numel,
+               "scape/dense_step": float(self.is_dense(max(self.step_count, 1))),
+               "scape/drift_norm": float(torch.linalg.vector_norm(self.flat.data - self.consensus))}
+        if self._local_norm is not None:
+            out["scape/local_grad_norm"] = float(self._local_norm)
+        out.update(self.masks.metrics())
+        return out
+
+    # --- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """Replicated state at a step boundary; waits for the in-flight mask all-gather."""
+        self.masks.wait()
+        state: Dict[str, Any] = {"optimizer": NAME, "step": self.step_count,
+                                 "layout": self.masks.layout_record(),
+                                 "consensus": self.consensus.detach().cpu().clone()}
+        state.update(self.masks.state_dict(self.step_count + 1))
+        return state
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if state.get("optimizer") != NAME or "consensus" not in state:
+            raise ValueError("this checkpoint was not written by optimizer=sparse_avg (no consensus "
+                             "weights); resume it with the optimizer that wrote it")
+        self.masks.check_layout(state.get("layout"))
+        self.masks.wait()
+        self.consensus.copy_(state["consensus"])
+        self.step_count = int(state["step"])
+        self.masks.load_state_dict(state)
+
+    def local_state_dict(self) -> Dict[str, Any]:
+        return {"params": self.flat.data.detach().cpu().clone(),
+                "momentum": self.optimizer.momentum.detach().cpu().clone(),
+                "rank": self.rank, "layout": self.masks.layout_record()}
+
+    def load_local_state_dict(self, state: Dict[str, Any]) -> None:
+        self.masks.check_layout(state.get("layout"))
+        if "params" not in state or "momentum" not in state:
+            raise ValueError("this rank's checkpoint file holds no sparse_avg copy and momentum; "
+                             "it was written by another optimizer")
+        if int(state["rank"]) != self.rank:
+            raise ValueError(f"sparse_avg state of rank {state['rank']} loaded on rank {self.rank}")
+        with torch.no_grad():
+            self.flat.data.copy_(state["params"])
+            self.optimizer.momentum.copy_(state["momentum"])

@@ -1,0 +1,258 @@
+"""The mask that SCAPE and sparse model averaging both send their values on, in one place.
+
+Both optimizers keep a flat fp32 buffer split as ``scape.partition.Partitioning`` says, score
+their own partition(s), and on every sparse step send k values per partition at the coordinates
+of a mask M_t that every rank knows. ``MaskExchange`` is that mask's whole life:
+
+- the schedule: dense steps 1..W, then the density decaying from 1 to rho (k per partition and
+  the transport that is smaller for that k);
+- the exchange: exact top-k of this rank's score per owned partition (``scape.topk``), encoded
+  (``scape.transport``) and all-gathered (kind ``scape_mask``), usually asynchronously so that
+  the wait lands in the next step's reduce_gradients;
+- the mask held (ascending flat indices, k per partition, the step it is for), and how much of
+  this rank's part of it the next one keeps (scape/mask_overlap);
+- the checkpoint: the pending mask as a bitmap, and the layout it is only valid for.
+
+``MaskedSynchronizer`` is the base of both synchronisers: it lays the model's parameters out in
+that flat buffer, holds the ``MaskExchange`` as ``self.masks`` and lets the mask's state read as
+the synchroniser's own (``sync.mask``, ``sync.k_at``).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from core.comm import CollectiveError, Collectives
+from core.flat import FlatParameters
+from core.sync import GradientSynchronizer
+from scape import kernels, transport
+from scape.config import OptimizerConfig
+from scape.partition import Partitioning
+from scape.timing import StepTimers
+from scape.topk import topk_mask
+
+_TIMERS = ("topk", "pack", "wait")
+
+
+class _PendingMask:
+    """An all-gather of mask parts in flight, and what is needed to decode it."""
+
+    def __init__(self, step: int, work, received: torch.Tensor, send: torch.Tensor, k: int) -> None:
+        self.step, self.work, self.received, self.send, self.k = step, work, received, send, k
+
+
+class MaskExchange:
+    """The sparsity schedule, the score, the mask held and the one in flight, and their timers.
+
+    ``owner`` names the optimizer in error messages ("SCAPE", "sparse_avg"); the all-gathers go
+    through ``comm``, the synchroniser's collectives.
+    """
+
+    def __init__(self, cfg: OptimizerConfig, layout: Partitioning, device: torch.device,
+                 owner: str, comm: Collectives) -> None:
+        self.cfg, self.layout, self.device, self.owner = cfg, layout, device, owner
+        self.comm = comm
+        self.timers = StepTimers(device)
+        self.density = round(1.0 - float(cfg.sparsity), 12)
+        # what the owner ranks its own partition(s) by; written by the synchroniser
+        self.score = torch.zeros(layout.owned_numel, dtype=torch.float32, device=device)
+        self.mask: Optional[torch.Tensor] = None  # ascending flat indices, k per partition
+        self.step = 0  # the step the mask is for
+        self.k = 0
+        self.overlap: Optional[torch.Tensor] = None
+        self._pending: Optional[_PendingMask] = None
+
+    # --- schedule ----------------------------------------------------------------------------
+    def is_dense(self, step: int) -> bool:
+        return step <= self.cfg.dense_warmup_steps
+
+    def density_at(self, step: int) -> float:
+        """Geometric decay from 1 to rho over the first sparsity_warmup_steps steps (DGC)."""
+        warmup = self.cfg.sparsity_warmup_steps
+        if warmup > 0 and step < warmup:
+            return self.density ** (step / warmup)
+        return self.density
+
+    def k_at(self, step: int) -> int:
+        return self.layout.k(self.density_at(step))
+
+    def transport_at(self, step: int) -> str:
+        return transport.resolve(self.cfg.mask_transport, self.layout.partition_size,
+                                 self.k_at(step))
+
+    # --- the exchange ------------------------------------------------------------------------
+    def exchange(self, step: int, k: int, async_op: bool, overlap: bool = True) -> None:
+        """Select this rank's part of M_step from ``score`` and start its all-gather.
+
+        ``overlap=False`` leaves ``self.overlap`` unset: the caller knows the mask held is not
+        the one M_step follows.
+        """
+        chosen = self._select(k)
+        self.overlap = self._own_overlap(chosen, k) if overlap else None
+        name = self.transport_at(step)
+        with self.timers.time("pack"):
+            send = transport.encode(name, chosen, self.layout.partitions_per_rank,
+                                    self.layout.partition_size, k)
+        received = transport.receive_buffer(name, self.layout.num_partitions,
+                                            self.layout.partition_size, k, self.device)
+        work = self.comm.all_gather_into_tensor(received, send, kind="scape_mask", async_op=async_op)
+        self._pending = _PendingMask(step, work, received, send, k)
+
+    def _select(self, k: int) -> torch.Tensor:
+        """This rank's part of the next mask: a bool mask over its region, k per partition."""
+        size = self.layout.partition_size
+        chosen = torch.empty(self.layout.owned_numel, dtype=torch.bool, device=self.device)
+        with self.timers.time("topk"):
+            for p in range(self.layout.partitions_per_rank):
+                topk_mask(self.score[p * size:(p + 1) * size], k, chosen[p * size:(p + 1) * size])
+        return chosen
+
+    def _own_overlap(self, chosen: torch.Tensor, k: int) -> Optional[torch.Tensor]:
+        """|M_t & M_{t+1}| / k over this rank's partitions (the owner knows both)."""
+        if self.mask is None:
+            return None
+        per_rank, rank = self.layout.partitions_per_rank, self.layout.rank
+        own = self.mask[rank * per_rank * self.k:(rank + 1) * per_rank * self.k]
+        kept = chosen.index_select(0, own - self.layout.owned_start).sum()
+        return kept / float(per_rank * max(k, self.k))
+
+    def wait(self) -> None:
+        """Finish the all-gather in flight, if any, and hold the mask it carried."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        with self.timers.time("wait"):
+            if pending.work is not None:
+                try:
+                    pending.work.wait()
+                except (RuntimeError, dist.DistError) as exc:
+                    raise CollectiveError(
+                        f"rank {self.layout.rank}: waiting for the {self.owner} mask all-gather of "
+                        f"step {pending.step} ('scape_mask') failed: {exc}. A peer process "
+                        f"probably died or hangs; resume with resume=auto.") from exc
+        with self.timers.time("pack"):
+            self.mask = transport.decode(self.transport_at(pending.step), pending.received,
+                                         self.layout.num_partitions, self.layout.partition_size,
+                                         pending.k)
+        self.step, self.k = pending.step, pending.k
+
+    def mask_for(self, step: int) -> torch.Tensor:
+        self.wait()
+        if self.mask is None or self.step != step:
+            raise RuntimeError(f"{self.owner} has no mask for step {step} (it holds one for step "
+                               f"{self.step}); after_step() must run after every step")
+        return self.mask
+
+    # --- metrics -----------------------------------------------------------------------------
+    def start_step(self) -> None:
+        """Forget the times of earlier steps (the metrics are per step)."""
+        self.timers.start_step()
+
+    def metrics(self) -> Dict[str, float]:
+        """scape/mask_overlap (when there is one) and this step's scape/time_{topk,pack,wait}_s."""
+        out = {} if self.overlap is None else {"scape/mask_overlap": float(self.overlap)}
+        times = self.timers.collect(_TIMERS)
+        out.update({f"scape/time_{name}_s": seconds for name, seconds in times.items()})
+        return out
+
+    # --- checkpoints -------------------------------------------------------------------------
+    def layout_record(self) -> Dict[str, int]:
+        layout = self.layout
+        return {"numel": layout.numel, "padded_numel": layout.padded_numel,
+                "num_partitions": layout.num_partitions, "world": layout.world}
+
+    def check_layout(self, record: Optional[Dict[str, int]]) -> None:
+        """A checkpoint's mask and flat buffers are only valid for the layout that wrote them."""
+        mine = self.layout_record()
+        for key in ("numel", "padded_numel", "num_partitions"):
+            if (record or {}).get(key) != mine[key]:
+                raise ValueError(f"{self.owner} checkpoint layout {key}={(record or {}).get(key)} "
+                                 f"does not match this run's {mine[key]}: resume with the same "
+                                 f"model and world size")
+
+    def state_dict(self, next_step: int) -> Dict[str, Any]:
+        """``{"mask": ...}`` when the mask held is for ``next_step`` (else empty): a bitmap of the
+        padded buffer, 1 bit a coordinate. Call ``wait`` first."""
+        if self.mask is None or self.step != next_step:
+            return {}
+        marks = torch.zeros(self.layout.padded_numel, dtype=torch.bool, device=self.device)
+        marks[self.mask] = True
+        packed = torch.empty(self.layout.padded_numel // 8, dtype=torch.uint8, device=self.device)
+        return {"mask": {"bitmap": kernels.pack_bits(marks, packed).cpu(), "k": self.k,
+                         "step": self.step}}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """The mask of a synchroniser's ``state`` (none without a "mask" entry); ``wait`` first."""
+        self.mask, self.step, self.k = None, 0, 0
+        if "mask" in state:
+            bitmap = state["mask"]["bitmap"].to(self.device)
+            marks = kernels.unpack_bits(bitmap, torch.empty(bitmap.numel() * 8, dtype=torch.bool,
+                                                            device=self.device))
+            self.mask = torch.nonzero(marks).squeeze(1)
+            self.step, self.k = int(state["mask"]["step"]), int(state["mask"]["k"])
+
+
+class MaskedSynchronizer(GradientSynchronizer):
+    """A synchroniser over one flat fp32 buffer whose values travel on the mask ``self.masks``."""
+
+    masks: MaskExchange
+
+    def _flatten(self, model: torch.nn.Module, owner: str, num_partitions: Optional[int] = None,
+                 comm: Optional[Collectives] = None) -> int:
+        """Set world, rank, layout, flat (the parameters become views into it), device, comm (the
+        collectives, a fresh counter when none is given: pass ``self.comm`` on to the base) and
+        masks from ``self.cfg``. Matrices come first, so weight decay covers one prefix of the
+        flat buffer; returns that prefix's length."""
+        initialized = dist.is_available() and dist.is_initialized()
+        self.world = dist.get_world_size() if initialized else 1
+        self.rank = dist.get_rank() if initialized else 0
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError(f"{owner} needs at least one trainable parameter")
+        decay = [p for p in params if p.ndim >= 2]
+        ordered = decay + [p for p in params if p.ndim < 2]
+        self.layout = Partitioning(sum(p.numel() for p in params),
+                                   num_partitions or self.world, self.world, self.rank)
+        self.flat = FlatParameters(ordered, pad_to=self.layout.pad_multiple)
+        assert self.flat.padded_numel == self.layout.padded_numel
+        self.device = self.flat.data.device
+        self.comm = comm if comm is not None else Collectives()
+        self.masks = MaskExchange(self.cfg, self.layout, self.device, owner, self.comm)
+        return sum(p.numel() for p in decay)
+
+    @property
+    def mask(self) -> Optional[torch.Tensor]:
+        return self.masks.mask
+
+    @property
+    def mask_step(self) -> int:
+        return self.masks.step
+
+    @property
+    def mask_k(self) -> int:
+        return self.masks.k
+
+    @property
+    def score(self) -> torch.Tensor:
+        return self.masks.score
+
+    @property
+    def _overlap(self) -> Optional[torch.Tensor]:
+        return self.masks.overlap
+
+    def is_dense(self, step: int) -> bool:
+        return self.masks.is_dense(step)
+
+    def density_at(self, step: int) -> float:
+        return self.masks.density_at(step)
+
+    def k_at(self, step: int) -> int:
+        return self.masks.k_at(step)
+
+    def transport_at(self, step: int) -> str:
+        return self.masks.transport_at(step)
+
+    def _wait_pending(self) -> None:
+        self.masks.wait()

@@ -1,0 +1,387 @@
+"""Sparse model averaging (optimizer.name=sparse_avg): 2 gloo ranks against the arithmetic."""
+import io
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import scape
+from core.comm import Collectives, all_reduce_bytes
+from core.flat import FlatParameters, param_groups
+from core.optim import AdamS
+from core.sync import DenseAllReduce
+from scape.averaging import SparseAverageSynchronizer, sparse_avg_step_bytes
+from scape.config import OptimizerConfig
+from sdp.config import SDPConfig
+from tests.dist_helpers import run_distributed
+from tests.scape.helpers import batch, make_model, train
+from tests.train_helpers import TINY, check, read_metrics, train_cli, train_losses
+from trainer.config import Config
+from trainer.parts import build_model_and_sync
+
+
+def avg_config(**overrides) -> OptimizerConfig:
+    base = dict(name="sparse_avg", lr=1e-2, weight_decay=0.1, sparsity=0.9)
+    base.update(overrides)
+    return OptimizerConfig(**base)
+
+
+def _gathered(tensor: torch.Tensor, world: int):
+    parts = [torch.empty_like(tensor) for _ in range(world)]
+    dist.all_gather(parts, tensor.contiguous())
+    return parts
+
+
+def roundtrip(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr: float, accum: int):
+    """The algorithm for ``world`` workers in one process, written directly with torch.
+
+    Returns (x, [y_0, ..., y_{N-1}]) after every step (padded flat layout: matrices first).
+    """
+    model = make_model()
+    params = list(model.parameters())
+    ordered = [p for p in params if p.ndim >= 2] + [p for p in params if p.ndim < 2]
+    decay_end = sum(p.numel() for p in ordered if p.ndim >= 2)
+    flat = FlatParameters(ordered, pad_to=128 * world)
+    size = flat.padded_numel // world
+    b1, b2, eps, wd = cfg.betas[0], cfg.betas[1], cfg.eps, cfg.weight_decay
+    rho, warm, dense_until = 1 - cfg.sparsity, cfg.sparsity_warmup_steps, cfg.dense_warmup_steps
+    x = flat.data.clone()
+    ys = [x.clone() for _ in range(world)]
+    ms = [torch.zeros_like(x) for _ in range(world)]
+    mask, history = None, []
+    for t in range(1, steps + 1):
+        grads = []
+        for r in range(world):
+            flat.data.copy_(ys[r])
+            flat.grad.zero_()
+            for micro in range(accum):
+                (model(*batch(r, t, micro)) / accum).backward()
+            grads.append(flat.grad.clone())
+        if t > 1:  # the exchange: average the drifts on the mask (everything while t <= W)
+            sel = torch.arange(x.numel()) if t <= dense_until else mask
+            x[sel] += sum(y[sel] - x[sel] for y in ys) / world
+            for y in ys:
+                y[sel] = x[sel]
+        c = 1 - b1 ** t
+        for g, y, m in zip(grads, ys, ms):  # local clipping and local AdamS
+            if max_norm > 0:
+                g *= torch.clamp(max_norm / (g.norm() + 1e-6), max=1.0)
+            y[:decay_end] *= 1 - lr * wd
+            denom = (b2 * (m / c) ** 2 + (1 - b2) * g ** 2).sqrt() + eps
+            m.mul_(b1).add_((1 - b1) * g)
+            y -= lr * (m / c) / denom
+        if t + 1 > dense_until:  # the next mask: top-k of |y_r - x| on partition r, by its owner
+            density = rho ** ((t + 1) / warm) if warm and t + 1 < warm else rho
+            k = max(1, min(size, math.ceil(round(density * size, 6))))
+            mask = torch.cat([torch.topk((ys[r] - x)[r * size:(r + 1) * size].abs(), k).indices
+                              + r * size for r in range(world)]).sort().values
+        history.append((x.clone(), [y.clone() for y in ys]))
+    return history
+
+
+REFERENCE_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.8, dense_warmup_steps=3, sparsity_warmup_steps=5),
+                     dict(sparsity=0.99, mask_transport="indices")]
+
+
+def _equals_reference(rank: int, world: int) -> None:
+    for overrides in REFERENCE_CONFIGS:
+        cfg = avg_config(**overrides)
+        model = make_model()
+        sync = SparseAverageSynchronizer(model, cfg)
+        got = []
+        train(model, sync, 8, rank, max_norm=0.5, lr=1e-2, accum=2,
+              after=lambda step: got.append((sync.consensus.clone(), sync.flat.data.clone())))
+        expected = reference(cfg, 8, world, max_norm=0.5, lr=1e-2, accum=2)
+        for step, ((x, y), (ref_x, ref_ys)) in enumerate(zip(got, expected), start=1):
+            torch.testing.assert_close(x, ref_x, rtol=0, atol=1e-6, msg=f"x step {step} {overrides}")
+            torch.testing.assert_close(y, ref_ys[rank], rtol=0, atol=1e-6,
+                                       msg=f"y_{rank} step {step} {overrides}")
+        assert not torch.equal(got[-1][1], got[-1][0])  # the copies do drift from the consensus
+
+
+def test_two_ranks_equal_the_single_process_arithmetic():
+    run_distributed(_equals_reference, world_size=2)
+
+
+CONSISTENCY_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.99, value_dtype="bf16", mask_transport="indices"),
+                       dict(sparsity=0.8, mask_transport="bitmap", dense_warmup_steps=2, sparsity_warmup_steps=4)]
+
+
+def _consensus_mask_and_snap(rank: int, world: int) -> None:
+    for overrides in CONSISTENCY_CONFIGS:
+        sync_box = {}
+        model = make_model()
+        sync = SparseAverageSynchronizer(model, avg_config(**overrides))
+        bf16 = overrides.get("value_dtype") == "bf16"
+        layout = sync.layout
+
+        def before(step):
+            with sync.evaluation_weights():
+                sync_box["average"] = sync.flat.data.clone()
+            sync_box["y"] = sync.flat.data.clone()
+
+        def after_exchange(step):
+            x, y = sync.consensus, sync.flat.data
+            first, second = _gathered(x, world)
+            assert torch.equal(first, second), f"x differs at step {step}: {overrides}"
+            if step == 1:
+                assert torch.equal(y, sync_box["y"])  # nothing to average yet
+                return
+            sel = torch.arange(layout.padded_numel) if sync.is_dense(step) else sync.mask
+            if bf16:  # the bf16 rounding error of the sent drift stays in y
+                assert (y[sel] - x[sel]).abs().max() <= 1e-2 * (sync_box["y"] - x).abs().max() + 1e-8
+            else:
+                assert torch.equal(y[sel], x[sel]), f"y != x on the mask at step {step}: {overrides}"
+            off = torch.ones(layout.padded_numel, dtype=torch.bool)
+            off[sel] = False
+            assert torch.equal(y[off], sync_box["y"][off])  # only the mask is touched
+            if not sync.is_dense(step):
+                first, second = _gathered(sync.mask, world)
+                assert torch.equal(first, second), f"masks differ at step {step}: {overrides}"
+                per_partition = torch.bincount(sync.mask // layout.partition_size,
+                                               minlength=layout.num_partitions)
+                assert per_partition.tolist() == [sync.k_at(step)] * layout.num_partitions
+            # the exchange moves mass from the drifts into x: the average model is unchanged
+            # (with bf16 up to the rounding of the bf16 sum, which the backend does)
+            tol = 1e-2 * float((sync_box["y"] - x).abs().max()) if bf16 else 1e-6
+            with sync.evaluation_weights():
+                torch.testing.assert_close(sync.flat.data, sync_box["average"], rtol=0, atol=tol,
+                                           msg=f"average moved at step {step}: {overrides}")
+
+        train(model, sync, 7, rank, max_norm=1.0, before_reduce=before, hook=after_exchange)
+        assert sync.step_count == 7
+        if overrides.get("sparsity_warmup_steps"):
+            assert sync.k_at(3) > sync.k_at(4) == sync.k_at(9)
+
+
+def test_consensus_and_mask_identical_and_copies_snap_to_x_on_the_mask():
+    run_distributed(_consensus_mask_and_snap, world_size=2)
+
+
+def _density_one(rank: int, world: int) -> None:
+    """Sparsity 0: after every exchange the copies are identical and equal to the mean of the
+    ranks' previous local AdamS updates; the masked path equals the dense (warm-up) path."""
+    runs = {}
+    for name, overrides in (("masked", dict(sparsity=0.0)), ("dense", dict(sparsity=0.9,
+                                                                           dense_warmup_steps=100))):
+        model = make_model()
+        sync = SparseAverageSynchronizer(model, avg_config(**overrides))
+        seen, trace = {}, []
+
+        def check_exchange(step):
+            copies = _gathered(sync.flat.data, world)
+            assert torch.equal(copies[0], copies[1]), f"copies differ after step {step}'s exchange"
+            if step > 1:  # x(t) = mean of the copies after step t - 1 (the local AdamS updates)
+                torch.testing.assert_close(sync.consensus, sum(seen["after"]) / world, rtol=0, atol=1e-6)
+
+        def after(step):
+            seen["after"] = _gathered(sync.flat.data, world)
+            with sync.evaluation_weights():  # the model to evaluate is that mean already
+                torch.testing.assert_close(sync.flat.data, sum(seen["after"]) / world, rtol=0, atol=1e-6)
+            trace.append(sync.flat.data.clone())
+
+        train(model, sync, 6, rank, hook=check_exchange, after=after)
+        if name == "masked":
+            assert sync.mask.numel() == sync.layout.padded_numel  # density 1: the masked path ran
+        runs[name] = trace
+    for step, (a, b) in enumerate(zip(runs["masked"], runs["dense"]), start=1):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=f"step {step}")
+
+
+def test_density_one_averages_the_local_adams_updates_every_step():
+    run_distributed(_density_one, world_size=2)
+
+
+def _averaged_model(rank: int, world: int) -> None:
+    model = make_model()
+    sync = SparseAverageSynchronizer(model, avg_config(sparsity=0.9))
+    train(model, sync, 5, rank)
+    local = sync.flat.data.clone()
+    mean = sum(_gathered(local, world)) / world
+    with sync.evaluation_weights():
+        torch.testing.assert_close(sync.flat.data, mean, rtol=0, atol=1e-6)
+        inside = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert torch.equal(sync.flat.data, local)  # y_i restored bit for bit
+    exported = sync.model_state_dict()
+    assert torch.equal(sync.flat.data, local)
+    for name, value in inside.items():
+        torch.testing.assert_close(exported[name], value, rtol=0, atol=0)
+    # the export is the same on every rank
+    first, second = _gathered(torch.cat([v.reshape(-1) for v in exported.values()]), world)
+    assert torch.equal(first, second)
+    # loading only the weights starts a consistent run: consensus = copy = the average
+    fresh_model = make_model(seed=5)
+    fresh = SparseAverageSynchronizer(fresh_model, avg_config(sparsity=0.9))
+    fresh.load_model_state_dict(exported)
+    assert torch.equal(fresh.consensus, fresh.flat.data)
+    torch.testing.assert_close(fresh.flat.data, mean, rtol=0, atol=1e-6)
+
+
+def test_averaged_model_is_the_mean_of_the_copies_and_training_weights_are_restored():
+    run_distributed(_averaged_model, world_size=2)
+
+
+RESUME_CONFIGS = [(dict(sparsity=0.9), 4),
+                  (dict(sparsity=0.99, value_dtype="bf16", sparsity_warmup_steps=5, dense_warmup_steps=3), 2),
+                  (dict(sparsity=0.99, value_dtype="bf16", sparsity_warmup_steps=5, dense_warmup_steps=3), 3)]
+
+
+def _resume(rank: int, world: int) -> None:
+    for overrides, split in RESUME_CONFIGS:
+        cfg = avg_config(**overrides)
+        model = make_model()
+        sync = SparseAverageSynchronizer(model, cfg)
+        uninterrupted = train(model, sync, 8, rank)
+        final_y, final_x = sync.flat.data.clone(), sync.consensus.clone()
+
+        model = make_model()
+        sync = SparseAverageSynchronizer(model, cfg)
+        first = train(model, sync, split, rank)
+        saved = roundtrip({"model": sync.model_state_dict(), "replicated": sync.state_dict(),
+                           "local": sync.local_state_dict()})
+        model = make_model(seed=123)  # other initial weights: everything must come from the files
+        sync = SparseAverageSynchronizer(model, cfg)
+        sync.load_model_state_dict(saved["model"])  # the trainer's order: weights, replicated, local
+        sync.load_state_dict(saved["replicated"])
+        sync.load_local_state_dict(saved["local"])
+        second = train(model, sync, 8 - split, rank, start=split)
+        assert first + second == uninterrupted, (overrides, split)
+        assert torch.equal(sync.flat.data, final_y) and torch.equal(sync.consensus, final_x)
+
+
+def test_exact_resume_through_the_state_dicts():
+    run_distributed(_resume, world_size=2)
+
+
+def _bytes(rank: int, world: int) -> None:
+    for overrides in (dict(sparsity=0.99, mask_transport="indices"), dict(sparsity=0.9, mask_transport="bitmap"),
+                      dict(sparsity=0.99, value_dtype="bf16")):
+        cfg = avg_config(**overrides)
+        model = make_model()
+        sync = SparseAverageSynchronizer(model, cfg)
+        counted = {}
+        train(model, sync, 4, rank, before_reduce=lambda step: sync.comm.counter.reset(),
+              after=lambda step: counted.__setitem__(step, dict(sync.comm.counter.bytes)))
+        formula = sparse_avg_step_bytes(sync.layout.numel, world, cfg.sparsity, cfg.mask_transport,
+                                        cfg.value_dtype)
+        s = 2 if cfg.value_dtype == "bf16" else 4
+        assert counted[1]["scape_values"] == all_reduce_bytes(s, world)  # step 1: the norm only
+        assert counted[1]["scape_mask"] == formula["mask"]
+        for step in (2, 3, 4):
+            assert counted[step] == {"scape_values": formula["values"], "scape_mask": formula["mask"]}
+        assert formula["values"] == all_reduce_bytes((world * formula["k"] + 1) * s, world)
+        metrics = sync.metrics()
+        assert metrics["scape/density"] == world * formula["k"] / sync.layout.padded_numel
+        assert metrics["scape/dense_step"] == 0.0 and metrics["scape/drift_norm"] > 0
+        assert 0.0 <= metrics["scape/mask_overlap"] <= 1.0
+        assert {"scape/time_topk_s", "scape/time_pack_s", "scape/time_wait_s",
+                "scape/local_grad_norm"} <= set(metrics)
+        sync.comm.counter.reset()
+        with sync.evaluation_weights():
+            pass
+        assert sync.comm.counter.bytes["average"] == all_reduce_bytes(4 * sync.layout.padded_numel, world)
+
+
+def test_counted_bytes_equal_the_formula_and_metrics():
+    run_distributed(_bytes, world_size=2)
+
+
+def _global_norm_and_nonfinite(rank: int, world: int) -> None:
+    model = make_model()
+    sync = SparseAverageSynchronizer(model, avg_config(sparsity=0.9))
+    train(model, sync, 2, rank)
+    sync.zero_grad()
+    (model(*batch(rank, 3)) * (rank + 1)).backward()
+    local = float(torch.linalg.vector_norm(sync.flat.grad))
+    sync.reduce_gradients()
+    norm = sync.clip_gradients(0.5)
+    squares = torch.tensor([local ** 2])
+    dist.all_reduce(squares)
+    assert math.isclose(norm, math.sqrt(float(squares) / world), rel_tol=1e-5)
+    assert math.isclose(float(torch.linalg.vector_norm(sync.flat.grad)), min(local, 0.5), rel_tol=1e-4)
+    sync.step(1e-2)
+    sync.after_step()
+    # a non-finite gradient on one rank: every rank sees a non-finite norm (and skips the step);
+    # the retried step finds the same mask
+    sync.zero_grad()
+    model(*batch(rank, 4)).backward()
+    if rank == 1:
+        sync.flat.grad[3] = float("nan")
+    sync.reduce_gradients()
+    assert not math.isfinite(sync.clip_gradients(1.0))
+    sync.zero_grad()
+    model(*batch(rank, 4)).backward()
+    sync.reduce_gradients()
+    assert math.isfinite(sync.clip_gradients(1.0))
+    sync.step(1e-2)
+    sync.after_step()
+    assert sync.step_count == 4 and torch.isfinite(sync.flat.data).all()
+
+
+def test_global_norm_agrees_on_all_ranks_and_a_nonfinite_step_is_skipped_everywhere():
+    run_distributed(_global_norm_and_nonfinite, world_size=2)
+
+
+def test_one_process_is_dense_adams():
+    """A single worker has nothing to average: sparse_avg is dense AdamS (up to x + (y - x) rounding)."""
+    model, ref = make_model(), make_model()
+    sync = SparseAverageSynchronizer(model, avg_config(sparsity=0.99))
+    dense = DenseAllReduce(ref, lambda ps: AdamS(param_groups(ps, 0.1), lr=1e-2, betas=(0.9, 0.95), eps=1e-8))
+    train(model, sync, 6, 0, max_norm=0.5)
+    train(ref, dense, 6, 0, max_norm=0.5)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=name)
+
+
+def test_settings_are_checked_and_the_builders_dispatch():
+    model = make_model()
+    assert isinstance(scape.build_synchronizer(model, avg_config()), SparseAverageSynchronizer)
+    with pytest.raises(ValueError, match="optimizer.lag=False is a SCAPE option"):
+        SparseAverageSynchronizer(make_model(), avg_config(lag=False))
+    with pytest.raises(ValueError, match="mask_transport"):
+        SparseAverageSynchronizer(make_model(), avg_config(mask_transport="zip"))
+    cfg = Config(optimizer=avg_config(), sdp=SDPConfig(kind="block"), seed=0)
+    with pytest.raises(ValueError, match="sparse_avg is not supported with SDP"):
+        build_model_and_sync(cfg, torch.device("cpu"), Collectives())
+    sync = SparseAverageSynchronizer(make_model(), avg_config())
+    train(sync.model, sync, 2, 0)
+    other = SparseAverageSynchronizer(make_model(), avg_config())
+    with pytest.raises(ValueError, match="not written by optimizer=sparse_avg"):
+        other.load_state_dict({"step": 2, "optimizer": {"momentum": torch.zeros(3)}})
+    with pytest.raises(ValueError, match="rank 1 loaded on rank 0"):
+        other.load_local_state_dict(dict(sync.local_state_dict(), rank=1))
+
+
+def test_train_py_two_processes_with_sparse_avg(tmp_path, prepared_cache):
+    common = [*TINY, f"out_dir={tmp_path}", f"data.cache_dir={prepared_cache}", "optimizer=sparse_avg",
+              "optimizer.sparsity=0.9", "optimizer.sparsity_warmup_steps=0", "optimizer.lr=3e-3",
+              "train.steps=6", "train.eval_every=3",
+              "train.ckpt_every=3"]
+    check(train_cli([*common, "run_name=straight"], nproc=2))
+    check(train_cli([*common, "run_name=split", "train.stop_after_steps=3"], nproc=2))
+    check(train_cli([*common, "run_name=split", "resume=auto"], nproc=2))
+    run = tmp_path / "straight"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["state"] == "completed" and math.isfinite(summary["final_val_loss"])
+    records = read_metrics(run)
+    assert [r["step"] for r in records if "val/loss" in r] == [3, 6]
+    steps = {r["step"]: r for r in records if "train/loss" in r}
+    for key in ("scape/density", "scape/drift_norm", "scape/dense_step", "comm/bytes_scape_values",
+                "comm/bytes_scape_mask", "comm/compression"):
+        assert key in steps[4], key
+    assert steps[1]["scape/density"] == 0.0 and 0 < steps[4]["scape/density"] < 0.2
+    assert steps[4]["comm/compression"] > 2
+    straight, split = train_losses(run), train_losses(tmp_path / "split")
+    assert sorted(split) == list(range(1, 7))
+    assert all(straight[s] == split[s] for s in straight), (straight, split)
+    final = json.loads((tmp_path / "split" / "summary.json").read_text())["final_val_loss"]
+    assert final == summary["final_val_loss"]
