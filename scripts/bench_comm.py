@@ -2,7 +2,7 @@
 
 Two sources, printed as one JSON document:
 - ``counted``: a real 2-process gloo run of a tiny Llama through the synchronisers, bytes read
-  from trainer.comm's counters (steady-state sparse steps; the dense first step separately);
+  from the counted collectives' byte counter (core.comm) (steady-state sparse steps; the dense first step separately);
 - ``formula``: scape.accounting's analytic formula for the gpt345m, llama500m and llama1_8b
   layouts at 2, 32 and 64 ranks (the tests check that the counters equal the formula).
 

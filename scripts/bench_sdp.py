@@ -255,7 +255,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                           "until freed); peak_rss_delta_bytes: VmHWM after the steps minus VmRSS when the "
                           "high-water mark was reset (/proc/self/clear_refs=5) just before the build, after "
                           "a warm-up step (includes allocator slack and non-tensor memory)"),
-        "bytes_method": "trainer.comm counted collectives: ring all-reduce bytes sent per rank per step "
+        "bytes_method": "core.comm counted collectives: ring all-reduce bytes sent per rank per step "
                         "(gradients, the clip norm scalar, backward masking's refresh broadcasts)",
         "model": model_fields, "params_full": count_parameters(meta_full_model(ModelConfig(**model_fields))),
         "workers": ns.workers, "coverage": ns.coverage, "groups_per_block": ns.groups_per_block,
