@@ -268,6 +268,11 @@ def test_wandb_logs_into_the_training_run(tmp_path: Path, monkeypatch) -> None:
                           run_config={"logger": {"project": "scape-sdp", "wandb": "auto"}},
                           mode="offline", resume_run=True, run_dir=tmp_path)
     assert run_id == "llama500m-scape99"  # core/wandb_run.py's id for that run name
+    import wandb
+
+    # finish() returns before wandb's service process has closed the run's transaction log;
+    # teardown waits for that process to exit, so the file below is complete (CI saw it empty).
+    wandb.teardown()
     (run_dir,) = (tmp_path / "wandb").glob(f"offline-run-*-{run_id}")
     (events,) = run_dir.glob("*.wandb")
     assert b"eval/piqa/acc" in events.read_bytes() and b"eval/step" in events.read_bytes()
