@@ -24,7 +24,7 @@ up by name with ``synchronizer_builder``.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,15 @@ class GradientSynchronizer:
     # --- the step ------------------------------------------------------------------------------
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=False)
+
+    def micro_batch_context(self, last: bool) -> ContextManager:
+        """Wraps one micro-batch's forward and backward; ``last`` marks the step's final one.
+
+        The seam for communication that overlaps backward: a DDP-style synchroniser skips its
+        all-reduce on the earlier micro-batches (``no_sync``) and starts it from gradient hooks
+        during the last one; ``reduce_gradients`` then waits for what was started.
+        """
+        return contextlib.nullcontext()
 
     def reduce_gradients(self) -> None:
         raise NotImplementedError

@@ -3,6 +3,7 @@
 nanoGPT's order with the synchroniser as the one place where gradients cross ranks:
 
     micro-batches: forward, backward (loss / accum)   -> perf/time_data_s, perf/time_fwd_bwd_s
+                   each inside sync.micro_batch_context(last=...) (where overlapped comm starts)
     control all-reduce: mean loss, non-finite flag, stop request (every rank decides alike)
     sync.reduce_gradients()                           -> perf/time_comm_s (with the control)
     norm = sync.clip_gradients(max)                   # a non-finite norm skips the update
@@ -46,18 +47,19 @@ def device_sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _forward_backward(model: torch.nn.Module, batches: Iterator[Batch], accum: int, device: torch.device,
-                      autocast: Callable[[], ContextManager]) -> Tuple[torch.Tensor, float]:
+def _forward_backward(model: torch.nn.Module, sync: GradientSynchronizer, batches: Iterator[Batch], accum: int,
+                      device: torch.device, autocast: Callable[[], ContextManager]) -> Tuple[torch.Tensor, float]:
     """Accumulate the gradients of ``accum`` micro-batches; their mean loss and the data time."""
     t_data, loss_sum = 0.0, torch.zeros((), device=device)
-    for _ in range(accum):
+    for micro in range(accum):
         td = time.perf_counter()
         x, y = next(batches)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         t_data += time.perf_counter() - td
-        with autocast():
-            loss = model(x, y)
-        (loss / accum).backward()
+        with sync.micro_batch_context(last=micro == accum - 1):
+            with autocast():
+                loss = model(x, y)
+            (loss / accum).backward()
         loss_sum += loss.detach() / accum
     return loss_sum, t_data
 
@@ -74,7 +76,7 @@ def train_step(model: torch.nn.Module, sync: GradientSynchronizer, batches: Iter
     device = device if device is not None else next(model.parameters()).device
     device_sync(device)
     t0 = time.perf_counter()
-    loss_sum, t_data = _forward_backward(model, batches, accum, device, autocast)
+    loss_sum, t_data = _forward_backward(model, sync, batches, accum, device, autocast)
     device_sync(device)
     t1 = time.perf_counter()
     control = torch.stack([loss_sum.float(), (~torch.isfinite(loss_sum)).float(),
