@@ -6,8 +6,9 @@ byte counts by kind are complete by construction.
 
 Bytes are "bytes sent per rank" under the bandwidth-optimal ring algorithms (the convention of
 nccl-tests' bus bandwidth): an all-reduce of S bytes over N ranks sends 2 (N - 1) / N * S, an
-all-gather whose local part is S bytes sends (N - 1) * S, a broadcast of S bytes sends S
-(pipelined chain). A group of one rank sends nothing.
+all-gather whose local part is S bytes sends (N - 1) * S, a reduce-scatter of S bytes sends
+(N - 1) / N * S (the first half of the ring all-reduce), a broadcast of S bytes sends S (pipelined
+chain). A group of one rank sends nothing.
 """
 from __future__ import annotations
 
@@ -32,6 +33,11 @@ def all_reduce_bytes(nbytes: int, world: int) -> float:
 def all_gather_bytes(local_nbytes: int, world: int) -> float:
     """Bytes one rank sends in a ring all-gather whose local part is ``local_nbytes``."""
     return 0.0 if world <= 1 else float((world - 1) * local_nbytes)
+
+
+def reduce_scatter_bytes(nbytes: int, world: int) -> float:
+    """Bytes one rank sends in a ring reduce-scatter of an input of ``nbytes``."""
+    return 0.0 if world <= 1 else (world - 1) / world * nbytes
 
 
 class CommCounter:
@@ -99,6 +105,20 @@ class Collectives:
         # all_gather_single is the name from torch 2.12 on; older releases only have the other one.
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return _guarded("all_gather", kind, group, lambda: gather(output, local, group=group, async_op=async_op))
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, tensor: torch.Tensor, kind: str, group=None,
+                              async_op: bool = False):
+        """``dist.reduce_scatter_tensor`` (sum) counted under ``kind``: rank r receives the sum of
+        every rank's r-th slice of ``tensor``; a copy outside a process group."""
+        world = _group_size(group)
+        self.counter.add(kind, reduce_scatter_bytes(tensor.numel() * tensor.element_size(), world))
+        if world <= 1:
+            output.copy_(tensor.reshape(output.shape))
+            return None
+        # reduce_scatter_single is the name from torch 2.12 on; older releases only have the other one.
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return _guarded("reduce_scatter", kind, group, lambda: scatter(
+            output, tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op))
 
     def broadcast(self, tensor: torch.Tensor, src: int, kind: str, group=None, async_op: bool = False):
         """``dist.broadcast`` counted under ``kind`` (only the source sends)."""

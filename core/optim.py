@@ -28,6 +28,9 @@ class DenseOptimizerConfig:
     grad_clip: float = 1.0  # 0 = off
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1  # cosine floor, as a fraction of lr
+    # true: each rank keeps the optimizer state of its 1/N of the flat parameters (ZeRO-1 for
+    # adamw/adams, core/zero.py; sharded SCAPE, scape/sharded.py)
+    shard: bool = False
 
 
 def build_optimizer(params: List[torch.nn.Parameter], cfg: Any) -> torch.optim.Optimizer:

@@ -1,7 +1,8 @@
 """AdamS, the SCAPE distributed optimizer, sparse model averaging, their kernels and their
 communication accounting.
 
-Importing the package registers the synchronisers ``scape`` and ``sparse_avg`` with core.sync
+Importing the package registers the synchronisers ``scape``, ``scape_sharded``
+(``optimizer.shard=true``, scape/sharded.py) and ``sparse_avg`` with core.sync
 (docs/specs/SCAPE.md; notes in docs/SCAPE.md); the synchroniser modules themselves are imported
 on first use.
 """
@@ -19,16 +20,24 @@ __all__ = ["OptimizerConfig", "build_synchronizer"]
 
 
 def build_synchronizer(model: torch.nn.Module, cfg: OptimizerConfig, comm: Optional[Collectives] = None):
-    """The synchroniser for ``model``: SCAPE (``cfg.name=scape``) or sparse model averaging
-    (``cfg.name=sparse_avg``, scape/averaging.py)."""
+    """The synchroniser for ``model``: SCAPE (``cfg.name=scape``; sharded with ``cfg.shard``) or
+    sparse model averaging (``cfg.name=sparse_avg``, scape/averaging.py)."""
     name = cfg["name"] if hasattr(cfg, "keys") else cfg.name
+    shard = bool(cfg.get("shard", False) if hasattr(cfg, "keys") else cfg.shard)
     if name == "sparse_avg":
+        if shard:
+            raise ValueError("optimizer.shard=true is not supported with optimizer=sparse_avg (each "
+                             "rank keeps its own model copy and momentum); set optimizer.shard=false")
         from scape.averaging import SparseAverageSynchronizer
 
         return SparseAverageSynchronizer(model, cfg, comm=comm)
     if name != "scape":
         raise ValueError(f"scape.build_synchronizer needs optimizer.name=scape or sparse_avg, "
                          f"got {name!r}")
+    if shard:
+        from scape.sharded import ShardedScapeSynchronizer
+
+        return ShardedScapeSynchronizer(model, cfg, comm=comm)
     from scape.synchronizer import ScapeSynchronizer
 
     return ScapeSynchronizer(model, cfg, comm=comm)
@@ -41,4 +50,5 @@ def _build(cfg: Any, device: torch.device, comm: Collectives):
 
 
 register_synchronizer("scape", _build)
+register_synchronizer("scape_sharded", _build)
 register_synchronizer("sparse_avg", _build)

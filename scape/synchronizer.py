@@ -48,9 +48,7 @@ class ScapeSynchronizer(MaskedSynchronizer):
         decay_numel = self._flatten(model, "SCAPE", num_partitions, comm)
         # stale_scale_cap 0: one partition's refresh period
         cap = float(cfg.stale_scale_cap) or 1.0 / self.masks.density
-        optimizer = ScapeOptimizer(self.flat.data, decay_numel, cfg.lr, cfg.betas,
-                                   cfg.eps, cfg.weight_decay, cfg.base, cfg.stale_scale, cap)
-        super().__init__(model, optimizer, self.comm)
+        super().__init__(model, self._build_optimizer(decay_numel, cap), self.comm)
         self.residual = Residual(self.layout.padded_numel, self.device, cfg.offload_residual,
                                  residual_chunk_numel)
         self.value_dtype = torch.bfloat16 if cfg.value_dtype == "bf16" else torch.float32
@@ -74,10 +72,7 @@ class ScapeSynchronizer(MaskedSynchronizer):
         if self._dense:
             if self.cfg.lag and pre_send and not self.is_dense(step + 1):
                 self._score_dense_step(grad)
-            self.comm.all_reduce(grad, kind="grad_allreduce")
-            if self.world > 1:
-                grad.div_(self.world)
-            self._ghat = grad
+            self._ghat = self._reduce_dense(grad)
             return
         k = self.k_at(step)
         if self.cfg.lag:
@@ -91,14 +86,12 @@ class ScapeSynchronizer(MaskedSynchronizer):
             values = torch.empty(mask.numel(), dtype=self.value_dtype, device=self.device)
             self._contribute(grad, accumulate=False, score=False, mask=mask, values=values)
         self._sent_local = values.clone()
-        self.comm.all_reduce(values, kind="scape_values")
-        # ghat = mean_i(b_i) / (1 - b1): one division folds both
-        self._ghat = values.float().div_(self.world * (1.0 - self.beta1))
+        self._ghat = self._reduce_values(values)
 
     @torch.no_grad()
     def clip_gradients(self, max_norm: float) -> float:
         """Pre-clip L2 norm of ghat; replicated on every rank, so no collective is needed."""
-        norm = torch.linalg.vector_norm(self._ghat)
+        norm = self._ghat_norm()
         factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0 else None
         if factor is not None:
             self._ghat.mul_(factor)
@@ -132,7 +125,32 @@ class ScapeSynchronizer(MaskedSynchronizer):
                 self._score_residual()
             self.masks.exchange(following, self.k_at(following), async_op=True)
 
-    # --- the pieces --------------------------------------------------------------------------
+    # --- the pieces (scape/sharded.py overrides the first five: its state covers one shard) --
+    def _build_optimizer(self, decay_numel: int, cap: float) -> ScapeOptimizer:
+        cfg = self.cfg
+        return ScapeOptimizer(self.flat.data, decay_numel, cfg.lr, cfg.betas, cfg.eps,
+                              cfg.weight_decay, cfg.base, cfg.stale_scale, cap)
+
+    def _reduce_dense(self, grad: torch.Tensor) -> torch.Tensor:
+        """ghat of a dense step: the mean gradient."""
+        self.comm.all_reduce(grad, kind="grad_allreduce")
+        if self.world > 1:
+            grad.div_(self.world)
+        return grad
+
+    def _reduce_values(self, values: torch.Tensor) -> torch.Tensor:
+        """ghat on the mask from this rank's masked contribution: THE one all-reduce."""
+        self.comm.all_reduce(values, kind="scape_values")
+        # ghat = mean_i(b_i) / (1 - b1): one division folds both
+        return values.float().div_(self.world * (1.0 - self.beta1))
+
+    def _ghat_norm(self) -> torch.Tensor:
+        return torch.linalg.vector_norm(self._ghat)
+
+    def _momentum(self, start: int, stop: int) -> torch.Tensor:
+        """The momentum of flat coordinates [start, stop) (inside this rank's owned region)."""
+        return self.optimizer.momentum[start:stop]
+
     def _write_score(self, lo: int, hi: int, contribution: torch.Tensor) -> None:
         """score[j] = |b1 m_j + a_j| (or |a_j|) for owned j in [lo, hi); ``contribution`` = a[lo:hi]."""
         own_lo = self.layout.owned_start
@@ -142,7 +160,7 @@ class ScapeSynchronizer(MaskedSynchronizer):
         a = contribution[start - lo:stop - lo]
         out = self.score[start - own_lo:stop - own_lo]
         if self.cfg.score == "moment":
-            torch.add(a, self.optimizer.momentum[start:stop], alpha=self.beta1, out=out)
+            torch.add(a, self._momentum(start, stop), alpha=self.beta1, out=out)
             out.abs_()
         else:
             torch.abs(a, out=out)

@@ -125,6 +125,9 @@ class ScapeOptimizer:
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if "sharded_over" in state:
+            raise ValueError("this SCAPE checkpoint was written with optimizer.shard=true (each rank's "
+                             "file holds its momentum shard): resume with optimizer.shard=true")
         for name, tensor in (("momentum", self.momentum), ("second_moment", self.second_moment),
                              ("last_sent", self.last_sent)):
             if tensor is None:

@@ -1,0 +1,161 @@
+"""Sharded SCAPE (``optimizer.shard=true``): the distributed-optimizer form of the paper's runs.
+
+SCAPE already splits the flat parameters into rank-owned partitions (scape/partition.py): rank r
+scores and selects the mask of its own region. Here that region is also its optimizer shard:
+rank r keeps the momentum (AdamW's v and the staleness counters too, when on) of its region only,
+so the optimizer state per rank is 1/N of the replicated one. The residual stays per rank and
+full-length, as in replicated SCAPE (it is each rank's own error feedback).
+
+Per sparse step, against replicated SCAPE's one all-reduce of the N k masked values:
+
+- reduce-scatter of the masked values (kind ``scape_values``): rank r receives the sum of its own
+  partitions' k values per partition, (N - 1) / N * N k * s bytes sent;
+- the owner updates its masked coordinates (the lazy rule, with the decay applied to its shard;
+  every rank decays the rest of the decayed range itself, which is what the owners do too);
+- all-gather of the updated fp32 parameters on the mask (kind ``scape_params``), (N - 1) k * 4
+  bytes; every rank writes them into its model.
+
+With fp32 values that is exactly the all-reduce's 2 (N - 1) / N * N k * 4 bytes; with a bf16
+payload it is 3/2 of it (the parameters travel in fp32 to stay equal to replicated SCAPE). The
+clipping norm of ghat, now spread over the owners, costs one fp64 scalar all-reduce (kind
+``grad_norm``). Dense steps are ZeRO-1's: reduce-scatter of the gradient, the update of the
+shard, all-gather of the shard. The mask exchange, its lag and its score are replicated SCAPE's:
+the score |b1 m + e| of the owned region only ever needed the owned momentum.
+
+``update=all`` is refused: it moves every coordinate, so its all-gather would be dense.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+
+from core.comm import Collectives
+from scape.config import OptimizerConfig
+from scape.options import as_dataclass
+from scape.residual import DEFAULT_CHUNK_NUMEL
+from scape.synchronizer import ScapeSynchronizer
+from scape.update import ScapeOptimizer
+
+
+class ShardedScapeSynchronizer(ScapeSynchronizer):
+    """SCAPE whose optimizer state covers this rank's owned partitions only (see module doc)."""
+
+    def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig,
+                 num_partitions: Optional[int] = None,
+                 residual_chunk_numel: int = DEFAULT_CHUNK_NUMEL, comm: Optional[Collectives] = None) -> None:
+        cfg = as_dataclass(cfg)
+        if cfg.update != "lazy":
+            raise ValueError(f"optimizer.shard=true needs optimizer.update=lazy (got {cfg.update!r}): "
+                             f"update=all moves every coordinate, so the sharded all-gather would be "
+                             f"dense; set optimizer.shard=false for that ablation")
+        super().__init__(model, cfg, num_partitions, residual_chunk_numel, comm)
+
+    # --- the shard ---------------------------------------------------------------------------
+    @property
+    def shard(self) -> slice:
+        """This rank's optimizer shard: its owned partitions, as a slice of the flat buffer."""
+        return slice(self.layout.owned_start, self.layout.owned_start + self.layout.owned_numel)
+
+    def _build_optimizer(self, decay_numel: int, cap: float) -> ScapeOptimizer:
+        cfg, shard = self.cfg, self.shard
+        self._decay_numel = decay_numel
+        local_decay = min(max(decay_numel - shard.start, 0), self.layout.owned_numel)
+        # a view: the owner's update writes straight into its model's flat buffer
+        return ScapeOptimizer(self.flat.data[shard], local_decay, cfg.lr, cfg.betas, cfg.eps,
+                              cfg.weight_decay, cfg.base, cfg.stale_scale, cap)
+
+    def _own_mask(self) -> torch.Tensor:
+        """The flat indices of M_t in this rank's shard: one contiguous block of the mask (it is
+        ascending with k per partition, and the shard is whole partitions)."""
+        per_rank = self.layout.partitions_per_rank * self.mask_k
+        return self.mask[self.rank * per_rank:(self.rank + 1) * per_rank]
+
+    # --- the exchange ------------------------------------------------------------------------
+    def _reduce_dense(self, grad: torch.Tensor) -> torch.Tensor:
+        shard = torch.empty(self.layout.owned_numel, dtype=grad.dtype, device=self.device)
+        self.comm.reduce_scatter_tensor(shard, grad, kind="grad_reducescatter")
+        if self.world > 1:
+            shard.div_(self.world)
+        return shard
+
+    def _reduce_values(self, values: torch.Tensor) -> torch.Tensor:
+        own = torch.empty(values.numel() // self.world, dtype=values.dtype, device=self.device)
+        self.comm.reduce_scatter_tensor(own, values, kind="scape_values")
+        return own.float().div_(self.world * (1.0 - self.beta1))
+
+    def _ghat_norm(self) -> torch.Tensor:
+        """The global norm of ghat from each owner's part: one fp64 scalar all-reduce."""
+        squares = torch.linalg.vector_norm(self._ghat).double().square().reshape(1)
+        self.comm.all_reduce(squares, kind="grad_norm")
+        return squares.sqrt().float().squeeze(0)
+
+    def _momentum(self, start: int, stop: int) -> torch.Tensor:
+        lo = self.layout.owned_start
+        return self.optimizer.momentum[start - lo:stop - lo]
+
+    # --- the update --------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        step = self.step_count + 1
+        if self._dense:
+            self.optimizer.dense_update(self._ghat, lr, step)
+            send = self.optimizer.param.clone()  # the all-gather's output holds the input's storage
+            self.comm.all_gather_into_tensor(self.flat.data, send, kind="param_allgather")
+        else:
+            own = self._own_mask() - self.layout.owned_start
+            self.optimizer.masked_update(own, self._ghat, lr, step)
+            self._decay_outside_shard(lr)
+            send = self.optimizer.param.index_select(0, own)
+            received = torch.empty(self.mask.numel(), dtype=send.dtype, device=self.device)
+            self.comm.all_gather_into_tensor(received, send, kind="scape_params")
+            self.flat.data.index_copy_(0, self.mask, received)
+        self.step_count = step
+        self._ghat = self._sent_local = None
+
+    def _decay_outside_shard(self, lr: float) -> None:
+        """The lazy rule's decay of every matrix coordinate, on the part of the model the owner
+        of the shard does not update here; the same multiplication the owners apply to theirs."""
+        wd, end, shard = self.cfg.weight_decay, self._decay_numel, self.shard
+        if wd == 0.0 or end == 0:
+            return
+        factor = 1.0 - lr * wd
+        self.flat.data[:min(end, shard.start)].mul_(factor)
+        if end > shard.stop:
+            self.flat.data[shard.stop:end].mul_(factor)
+
+    # --- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """The replicated state (step, layout, mask); the optimizer's is in each rank's file."""
+        self.masks.wait()
+        state: Dict[str, Any] = {"step": self.step_count, "layout": self.masks.layout_record(),
+                                 "optimizer": {"sharded_over": self.world}}
+        state.update(self.masks.state_dict(self.step_count + 1))
+        return state
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.masks.check_layout(state["layout"])
+        if "sharded_over" not in state["optimizer"]:
+            raise ValueError("this SCAPE checkpoint was written with optimizer.shard=false (the "
+                             "momentum is replicated in optimizer.pt): resume with optimizer.shard=false")
+        self.masks.wait()
+        self.step_count = int(state["step"])
+        self.masks.load_state_dict(state)
+
+    def local_state_dict(self) -> Dict[str, Any]:
+        """The residual, and the optimizer state of the shard [start, stop) of the padded flat
+        buffer (the unpadded prefix is the same in every layout, which a re-slicing resume on
+        another world size relies on)."""
+        state = super().local_state_dict()
+        state.update(optimizer=self.optimizer.state_dict(), shard=[self.shard.start, self.shard.stop])
+        return state
+
+    def load_local_state_dict(self, state: Dict[str, Any]) -> None:
+        if "optimizer" not in state:
+            raise ValueError("this rank's SCAPE checkpoint file holds no optimizer shard: it was "
+                             "written with optimizer.shard=false; resume with optimizer.shard=false")
+        super().load_local_state_dict(state)
+        if list(state["shard"]) != [self.shard.start, self.shard.stop]:
+            raise ValueError(f"rank {self.rank}'s checkpointed optimizer shard covers {state['shard']}, "
+                             f"this run's covers [{self.shard.start}, {self.shard.stop}]")
+        self.optimizer.load_state_dict(state["optimizer"])
