@@ -7,7 +7,7 @@ update |m_t / c| / denom is bounded, which is what lets SCAPE feed it sparse, st
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, List, Tuple
+from typing import Any, Dict, Iterable, List, Tuple
 
 import torch
 
@@ -37,7 +37,12 @@ def build_optimizer(params: List[torch.nn.Parameter], cfg: Any) -> torch.optim.O
     """A dense optimizer over ``params``: AdamW (torch's) or AdamS, weight decay on matrices only.
 
     ``cfg`` is anything with the fields of ``DenseOptimizerConfig``."""
-    groups = param_groups(params, cfg.weight_decay)
+    return optimizer_for_groups(param_groups(params, cfg.weight_decay), cfg)
+
+
+def optimizer_for_groups(groups: List[Dict[str, Any]], cfg: Any) -> torch.optim.Optimizer:
+    """``build_optimizer`` on param groups that carry their own weight decay (ZeRO-1's shard
+    pieces are flat, so the ndim rule cannot be read off them)."""
     betas = (float(cfg.betas[0]), float(cfg.betas[1]))
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)

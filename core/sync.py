@@ -119,6 +119,9 @@ class GradientSynchronizer:
         return {"optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if "sharded_over" in state["optimizer"]:  # core/zero.py wrote it
+            raise ValueError("this checkpoint was written with optimizer.shard=true (each rank's file "
+                             "holds its optimizer shard): resume with optimizer.shard=true")
         self.optimizer.load_state_dict(state["optimizer"])
 
     def local_state_dict(self) -> Dict[str, Any]:

@@ -61,6 +61,10 @@ def build_synchronizer(model_cfg: Any, sdp_cfg: Any, opt_cfg: Any, world_size: i
     if getattr(opt_cfg, "name", "adamw") == "scape":
         raise ValueError("optimizer=scape is not supported with SDP yet (SCAPE inside holder groups); "
                          "use optimizer=adams or optimizer=adamw")
+    if getattr(opt_cfg, "shard", False):
+        raise ValueError("optimizer.shard=true is not supported with SDP (sdp.kind must be none): SDP "
+                         "already keeps optimizer state only for the parameters a rank holds; set "
+                         "optimizer.shard=false")
     if getattr(opt_cfg, "name", "adamw") == "sparse_avg":
         raise ValueError("optimizer=sparse_avg is not supported with SDP (sdp.kind must be none); "
                          "use optimizer=adams or optimizer=adamw")

@@ -14,6 +14,7 @@ import scape  # noqa: F401 - registers the "scape" and "sparse_avg" synchroniser
 import sdp  # noqa: F401 - registers the "sdp" synchroniser
 from core.comm import Collectives
 from core.optim import build_optimizer
+from core.zero import ZeroDenseSynchronizer
 from core.sync import DenseAllReduce, GradientSynchronizer, register_synchronizer, synchronizer_builder
 
 def _build_dense(cfg: Any, device: torch.device, comm: Collectives) -> DenseAllReduce:
@@ -23,13 +24,22 @@ def _build_dense(cfg: Any, device: torch.device, comm: Collectives) -> DenseAllR
     return DenseAllReduce(model, lambda params: build_optimizer(params, cfg.optimizer), comm)
 
 
+def _build_dense_sharded(cfg: Any, device: torch.device, comm: Collectives) -> ZeroDenseSynchronizer:
+    from models import build_model
+
+    return ZeroDenseSynchronizer(build_model(cfg.model, device=device), cfg.optimizer, comm)
+
+
 register_synchronizer("dense", _build_dense)
+register_synchronizer("dense_sharded", _build_dense_sharded)
 
 
 def synchronizer_name(cfg: Any) -> str:
     if cfg.sdp.kind != "none":
         return "sdp"
-    return cfg.optimizer.name if cfg.optimizer.name in ("scape", "sparse_avg") else "dense"
+    name = cfg.optimizer.name if cfg.optimizer.name in ("scape", "sparse_avg") else "dense"
+    # sparse_avg has no sharded form; its builder refuses optimizer.shard=true by name
+    return f"{name}_sharded" if cfg.optimizer.shard and name != "sparse_avg" else name
 
 
 def build_synchronizer(cfg: Any, device: torch.device, comm: Collectives) -> GradientSynchronizer:
