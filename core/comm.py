@@ -82,11 +82,29 @@ class Collectives:
     reads are complete; a synchroniser built on its own (tests, benchmarks) gets a fresh one.
     """
 
-    def __init__(self, counter: Optional[CommCounter] = None) -> None:
+    def __init__(self, counter: Optional[CommCounter] = None,
+                 group: Optional[dist.ProcessGroup] = None) -> None:
         self.counter = counter if counter is not None else CommCounter()
+        self.group = group  # the default of every call: None = the whole world
+
+    def in_group(self, group: Optional[dist.ProcessGroup]) -> "Collectives":
+        """The same counter, with ``group`` as the default group (SDP runs SCAPE inside each
+        holder group this way: SCAPE's collectives then stay among that group's ranks)."""
+        return Collectives(self.counter, group)
+
+    def world_size(self) -> int:
+        """Ranks in the default group (1 outside a process group)."""
+        return _group_size(self.group)
+
+    def rank(self) -> int:
+        """This process's rank within the default group (0 outside a process group)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return 0
+        return dist.get_rank(self.group)
 
     def all_reduce(self, tensor: torch.Tensor, kind: str, op=None, group=None, async_op: bool = False):
         """``dist.all_reduce`` counted under ``kind``; a no-op outside a process group."""
+        group = self.group if group is None else group
         world = _group_size(group)
         self.counter.add(kind, all_reduce_bytes(tensor.numel() * tensor.element_size(), world))
         if world <= 1:
@@ -97,6 +115,7 @@ class Collectives:
     def all_gather_into_tensor(self, output: torch.Tensor, local: torch.Tensor, kind: str, group=None,
                                async_op: bool = False):
         """``dist.all_gather_into_tensor`` counted under ``kind``; a copy outside a process group."""
+        group = self.group if group is None else group
         world = _group_size(group)
         self.counter.add(kind, all_gather_bytes(local.numel() * local.element_size(), world))
         if world <= 1:
@@ -110,6 +129,7 @@ class Collectives:
                               async_op: bool = False):
         """``dist.reduce_scatter_tensor`` (sum) counted under ``kind``: rank r receives the sum of
         every rank's r-th slice of ``tensor``; a copy outside a process group."""
+        group = self.group if group is None else group
         world = _group_size(group)
         self.counter.add(kind, reduce_scatter_bytes(tensor.numel() * tensor.element_size(), world))
         if world <= 1:
@@ -122,6 +142,7 @@ class Collectives:
 
     def broadcast(self, tensor: torch.Tensor, src: int, kind: str, group=None, async_op: bool = False):
         """``dist.broadcast`` counted under ``kind`` (only the source sends)."""
+        group = self.group if group is None else group
         world = _group_size(group)
         if world <= 1:
             return None

@@ -177,3 +177,25 @@ def synchronizer_builder(name: str) -> SynchronizerBuilder:
     if name not in _BUILDERS:
         raise ValueError(f"no gradient synchroniser named {name!r}; registered: {', '.join(sorted(_BUILDERS))}")
     return _BUILDERS[name]
+
+
+# SDP runs one synchroniser inside each holder group (sdp/groups.py). A group builder takes (the
+# module of the parameters the group holds, the optimizer config, collectives bound to the group)
+# and returns a synchroniser whose collectives stay among the group's ranks. Besides the loop's
+# calls it offers ``gradient_norm()`` (the norm of its reduced gradient, equal on the group's
+# ranks) and ``clip_with_norm(norm, max_norm)`` (clip by the norm over all groups), so that every
+# holder of every component clips with one coefficient.
+GroupSynchronizerBuilder = Callable[[torch.nn.Module, Any, Collectives], GradientSynchronizer]
+_GROUP_BUILDERS: Dict[str, GroupSynchronizerBuilder] = {}
+
+
+def register_group_synchronizer(name: str, builder: GroupSynchronizerBuilder) -> None:
+    """Offer the optimizer ``name`` inside SDP holder groups (scape/ does this when imported)."""
+    _GROUP_BUILDERS[name] = builder
+
+
+def group_synchronizer_builder(name: str) -> GroupSynchronizerBuilder:
+    if name not in _GROUP_BUILDERS:
+        raise ValueError(f"optimizer={name} cannot run inside SDP holder groups; those that can: "
+                         f"{', '.join(sorted(_GROUP_BUILDERS)) or 'none registered'}")
+    return _GROUP_BUILDERS[name]

@@ -2,7 +2,8 @@
 communication accounting.
 
 Importing the package registers the synchronisers ``scape``, ``scape_sharded``
-(``optimizer.shard=true``, scape/sharded.py) and ``sparse_avg`` with core.sync
+(``optimizer.shard=true``, scape/sharded.py) and ``sparse_avg`` with core.sync, and SCAPE as
+the optimizer inside SDP holder groups (scape/holder_group.py)
 (docs/specs/SCAPE.md; notes in docs/SCAPE.md); the synchroniser modules themselves are imported
 on first use.
 """
@@ -13,7 +14,7 @@ from typing import Any, Optional
 import torch
 
 from core.comm import Collectives
-from core.sync import register_synchronizer
+from core.sync import register_group_synchronizer, register_synchronizer
 from scape.config import OptimizerConfig
 
 __all__ = ["OptimizerConfig", "build_synchronizer"]
@@ -52,3 +53,16 @@ def _build(cfg: Any, device: torch.device, comm: Collectives):
 register_synchronizer("scape", _build)
 register_synchronizer("scape_sharded", _build)
 register_synchronizer("sparse_avg", _build)
+
+
+def _build_in_holder_group(module: torch.nn.Module, cfg: Any, comm: Collectives):
+    """SCAPE over ``module``'s parameters among the ranks of ``comm``'s group (SDP's holder group)."""
+    shard = bool(cfg.get("shard", False) if hasattr(cfg, "keys") else cfg.shard)
+    if shard:
+        raise ValueError("optimizer.shard=true is not supported with SDP; set optimizer.shard=false")
+    from scape.holder_group import HolderGroupScape
+
+    return HolderGroupScape(module, cfg, comm=comm)
+
+
+register_group_synchronizer("scape", _build_in_holder_group)

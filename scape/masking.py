@@ -201,13 +201,13 @@ class MaskedSynchronizer(GradientSynchronizer):
 
     def _flatten(self, model: torch.nn.Module, owner: str, num_partitions: Optional[int] = None,
                  comm: Optional[Collectives] = None) -> int:
-        """Set world, rank, layout, flat (the parameters become views into it), device, comm (the
-        collectives, a fresh counter when none is given: pass ``self.comm`` on to the base) and
-        masks from ``self.cfg``. Matrices come first, so weight decay covers one prefix of the
+        """Set comm (the collectives, a fresh counter when none is given: pass ``self.comm`` on to
+        the base), world and rank (of comm's group), layout, flat (the parameters become views
+        into it), device and masks from ``self.cfg``. Matrices come first, so weight decay covers one prefix of the
         flat buffer; returns that prefix's length."""
-        initialized = dist.is_available() and dist.is_initialized()
-        self.world = dist.get_world_size() if initialized else 1
-        self.rank = dist.get_rank() if initialized else 0
+        self.comm = comm if comm is not None else Collectives()
+        # the ranks of the collectives' group: the world, or an SDP holder group (sdp/groups.py)
+        self.world, self.rank = self.comm.world_size(), self.comm.rank()
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError(f"{owner} needs at least one trainable parameter")
@@ -218,7 +218,6 @@ class MaskedSynchronizer(GradientSynchronizer):
         self.flat = FlatParameters(ordered, pad_to=self.layout.pad_multiple)
         assert self.flat.padded_numel == self.layout.padded_numel
         self.device = self.flat.data.device
-        self.comm = comm if comm is not None else Collectives()
         self.masks = MaskExchange(self.cfg, self.layout, self.device, owner, self.comm)
         return sum(p.numel() for p in decay)
 

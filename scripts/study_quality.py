@@ -73,6 +73,9 @@ ARMS: Dict[str, Arm] = {arm.name: arm for arm in [
         "same steps as dense"),
     Arm("nsdp50_fm", "N-SDP C=0.5, FLOP-matched",
         (*SDP_COMMON, "sdp=neuron", "sdp.groups_per_block=4", "sdp.flop_matched=true"), "1/C = 2x the steps"),
+    Arm("bsdp50_scape90", "B-SDP C=0.5 + SCAPE-90", (*SCAPE, "optimizer.sparsity=0.9", *SDP_COMMON[1:],
+        "sdp=block", "sdp.flop_matched=false"),
+        "SCAPE-90 inside each holder group: SDP's memory, SCAPE's bytes; same steps as dense"),
     # Attempts at the gap with the spec's own options ({quarter} = a quarter of the steps).
     Arm("scape90_warm", "SCAPE-90, sparsity warm-up 25%", (*SCAPE, "optimizer.sparsity=0.9",
         "optimizer.sparsity_warmup_steps={quarter}"), "density from 1 to 0.1 over the first quarter", False),

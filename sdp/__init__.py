@@ -11,8 +11,8 @@ from typing import Any, Tuple
 import torch
 
 from core.comm import Collectives
-from core.optim import build_optimizer
-from core.sync import register_synchronizer
+from core.optim import DENSE_OPTIMIZERS, build_optimizer
+from core.sync import group_synchronizer_builder, register_synchronizer
 from sdp.config import SDPConfig
 from sdp.synchronizer import SubnetworkSynchronizer
 
@@ -58,9 +58,6 @@ def build_synchronizer(model_cfg: Any, sdp_cfg: Any, opt_cfg: Any, world_size: i
 
     model_cfg = _as_dataclass(model_cfg, ModelConfig)
     sdp_cfg = _as_dataclass(sdp_cfg, SDPConfig)
-    if getattr(opt_cfg, "name", "adamw") == "scape":
-        raise ValueError("optimizer=scape is not supported with SDP yet (SCAPE inside holder groups); "
-                         "use optimizer=adams or optimizer=adamw")
     if getattr(opt_cfg, "shard", False):
         raise ValueError("optimizer.shard=true is not supported with SDP (sdp.kind must be none): SDP "
                          "already keeps optimizer state only for the parameters a rank holds; set "
@@ -73,10 +70,18 @@ def build_synchronizer(model_cfg: Any, sdp_cfg: Any, opt_cfg: Any, world_size: i
     with skip_meta_init():  # the factory sizes sliced tensors on a meta copy of the full model
         model = build_model(model_cfg, spec, device=device)
     layout = ComponentLayout(model_cfg, plan)
-    sync = SubnetworkSynchronizer(model, plan, layout, rank, sdp_cfg.masking,
-                                  lambda params: build_optimizer(params, opt_cfg),
-                                  flop_matched_coverage=float(sdp_cfg.coverage) if sdp_cfg.flop_matched else None,
-                                  comm=comm)
+    coverage = float(sdp_cfg.coverage) if sdp_cfg.flop_matched else None
+    name = getattr(opt_cfg, "name", "adamw")
+    if name in DENSE_OPTIMIZERS:
+        sync = SubnetworkSynchronizer(model, plan, layout, rank, sdp_cfg.masking,
+                                      lambda params: build_optimizer(params, opt_cfg),
+                                      flop_matched_coverage=coverage, comm=comm)
+    else:  # an optimizer that communicates itself (SCAPE) runs inside each holder group
+        from sdp.groups import HolderGroupSynchronizer
+
+        sync = HolderGroupSynchronizer(model, plan, layout, rank, sdp_cfg.masking,
+                                       group_synchronizer_builder(name), opt_cfg,
+                                       flop_matched_coverage=coverage, comm=comm)
     if rank == 0:
         print(f"sdp: {plan.kind} {plan.strategy} C={plan.coverage} masking={sdp_cfg.masking}, "
               f"{plan.workers} workers, {len(plan.components)} components, "
