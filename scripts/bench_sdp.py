@@ -44,6 +44,7 @@ import sdp  # noqa: E402,F401  (imported before ranks fork, so no import lands i
 from models import build_model, count_parameters  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from scape.config import OptimizerConfig  # noqa: E402
+from scape.synchronizer import ScapeSynchronizer  # noqa: E402
 from sdp.config import SDPConfig  # noqa: E402
 from sdp.layout import meta_full_model  # noqa: E402
 from core.sync import DenseAllReduce  # noqa: E402
@@ -130,7 +131,7 @@ def _measure(rank: int, world: int, case: Dict[str, Any], cfg: ModelConfig, args
              device: torch.device) -> Dict[str, Any]:
     import gc
 
-    opt_cfg = OptimizerConfig(name=args["optimizer"], lr=1e-3)
+    opt_cfg = OptimizerConfig(name=args["optimizer"], lr=1e-3, sparsity=args["sparsity"])
     _warm_up(device)
     gc.collect()
     tracker = LiveTensorBytes() if device.type == "cpu" else None
@@ -146,7 +147,8 @@ def _measure(rank: int, world: int, case: Dict[str, Any], cfg: ModelConfig, args
     torch.manual_seed(0)
     if case["kind"] == "ddp":
         model = build_model(cfg, device=device)
-        sync = DenseAllReduce(model, lambda params: build_optimizer(params, opt_cfg))
+        sync = ScapeSynchronizer(model, opt_cfg) if opt_cfg.name == "scape" else \
+            DenseAllReduce(model, lambda params: build_optimizer(params, opt_cfg))
     else:
         sdp_cfg = SDPConfig(kind=case["kind"], coverage=args["coverage"], masking=case["masking"],
                             groups_per_block=args["groups_per_block"])
@@ -209,7 +211,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps (>= 2: the peak comes "
                         "once optimizer state exists)")
     parser.add_argument("--micro-batch", type=int, default=8)
-    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "adams"])
+    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "adams", "scape"],
+                        help="scape: plain SCAPE for the ddp case, SCAPE inside each holder group for "
+                        "B-SDP (neuron SDP refuses it: --only ddp,bsdp_forward,bsdp_backward)")
+    parser.add_argument("--sparsity", type=float, default=0.9, help="SCAPE's (with --optimizer scape)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--model", default=None,
@@ -260,6 +265,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "model": model_fields, "params_full": count_parameters(meta_full_model(ModelConfig(**model_fields))),
         "workers": ns.workers, "coverage": ns.coverage, "groups_per_block": ns.groups_per_block,
         "micro_batch": ns.micro_batch, "steps": ns.steps, "optimizer": ns.optimizer,
+        "sparsity": ns.sparsity if ns.optimizer == "scape" else None,
         "target": {"bsdp_forward_peak_vs_ddp_max": 0.6,
                    "met": bool(bsdp and bsdp.get("peak_vs_ddp", 1.0) <= 0.6)},
         "results": results,
