@@ -138,3 +138,26 @@ def test_refusals_name_the_setting():
         ShardedScapeSynchronizer(make_model(), scape_config(update="all", stale_scale_cap=1))
     with pytest.raises(ValueError, match="sparse_avg"):
         build_synchronizer(make_model(), scape_config(name="sparse_avg", shard=True))
+
+
+def _nonfinite_step_is_skipped_alike(rank: int, world: int) -> None:
+    cfg = scape_config(sparsity=0.9)
+    runs = []
+    for cls in (ScapeSynchronizer, ShardedScapeSynchronizer):
+        model = make_model()
+        sync = cls(model, cfg)
+
+        def poison(step: int, sync=sync) -> None:
+            if step == 4 and rank == world - 1:  # one rank's gradient turns non-finite
+                sync.flat.grad.fill_(float("nan"))
+
+        losses = train(model, sync, 7, rank, before_reduce=poison)
+        assert sync.step_count == 6, "the poisoned step is skipped on every rank"
+        assert torch.isfinite(sync.flat.data).all() and torch.isfinite(sync.residual.cpu_copy()).all()
+        runs.append((losses, sync.flat.data.clone()))
+    assert runs[0][0] == pytest.approx(runs[1][0], rel=0, abs=1e-6)
+    torch.testing.assert_close(runs[1][1], runs[0][1], rtol=0, atol=1e-6)
+
+
+def test_a_non_finite_step_is_skipped_and_rolled_back_as_replicated_scape_does():
+    run_distributed(_nonfinite_step_is_skipped_alike, world_size=2)
