@@ -99,12 +99,15 @@ def test_neuron_sdp_with_scape_is_refused_naming_the_fix():
         _build(tiny("llama"), SDPConfig(kind="neuron", coverage=1.0), 0, 1)
 
 
-def test_tiny_bsdp50_scape90_runs_through_train_py(tmp_path, prepared_cache):
+def test_tiny_bsdp50_scape90_runs_through_train_py_and_resumes_exactly(tmp_path, prepared_cache):
+    common = ["+experiment=tiny_bsdp50_scape90", *TINY, f"out_dir={tmp_path}",
+              f"data.cache_dir={prepared_cache}", "train.steps=3", "train.ckpt_every=0"]
+    check(train_cli([*common, "run_name=combined"], nproc=2))
+    check(train_cli([*common, "run_name=split", "train.stop_after_steps=3"], nproc=2))
+    check(train_cli([*common, "run_name=split", "resume=auto"], nproc=2))
     run = tmp_path / "combined"
-    check(train_cli(["+experiment=tiny_bsdp50_scape90", *TINY, f"out_dir={tmp_path}",
-                     f"data.cache_dir={prepared_cache}", "run_name=combined", "train.steps=3",
-                     "train.ckpt_every=0"], nproc=2))
-    losses = train_losses(run)
+    losses, split = train_losses(run), train_losses(tmp_path / "split")
+    assert losses == split, "a resumed run repeats the uninterrupted one's losses exactly"
     assert sorted(losses) == list(range(1, 7)), "flop_matched at C = 0.5 doubles the steps"
     steps = [r for r in read_metrics(run) if "train/loss" in r]
     assert all(r["sdp/params_held_fraction"] < 1.0 for r in steps)
