@@ -203,8 +203,8 @@ class MaskedSynchronizer(GradientSynchronizer):
                  comm: Optional[Collectives] = None) -> int:
         """Set comm (the collectives, a fresh counter when none is given: pass ``self.comm`` on to
         the base), world and rank (of comm's group), layout, flat (the parameters become views
-        into it), device and masks from ``self.cfg``. Matrices come first, so weight decay covers one prefix of the
-        flat buffer; returns that prefix's length."""
+        into it), device and masks from ``self.cfg``. Matrices come first, so weight decay covers
+        one prefix of the flat buffer; returns that prefix's length."""
         self.comm = comm if comm is not None else Collectives()
         # the ranks of the collectives' group: the world, or an SDP holder group (sdp/groups.py)
         self.world, self.rank = self.comm.world_size(), self.comm.rank()

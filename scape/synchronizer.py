@@ -90,7 +90,8 @@ class ScapeSynchronizer(MaskedSynchronizer):
 
     @torch.no_grad()
     def clip_gradients(self, max_norm: float) -> float:
-        """Pre-clip L2 norm of ghat; replicated on every rank, so no collective is needed."""
+        """Pre-clip L2 norm of ghat; replicated on every rank, so no collective is needed (sharded
+        SCAPE, whose ranks each hold their owned part of ghat, sums it in ``_ghat_norm``)."""
         norm = self._ghat_norm()
         factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0 else None
         if factor is not None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import scape  # noqa: F401 - registers SCAPE as the optimizer inside holder groups
+import sdp
 from models import build_model
 from scape.synchronizer import ScapeSynchronizer
 from sdp.config import SDPConfig
@@ -15,8 +16,6 @@ from sdp.groups import HolderGroupSynchronizer
 from tests.dist_helpers import run_distributed
 from tests.sdp._bodies import SEED, assert_holders_identical, full_flat, optimizer_cfg, tiny, train_step
 from tests.train_helpers import TINY, check, read_metrics, train_cli, train_losses
-
-import sdp
 
 
 def _scape_cfg():
@@ -145,7 +144,8 @@ TINY_SHAPES = ["model.n_layer=4", "model.d_model=32", "model.n_head=4", "model.n
 @pytest.mark.parametrize("experiment", ["llama500m_bsdp50_scape90", "tiny_bsdp50_scape90"])
 def test_combined_experiments_compose_and_build_on_tiny_shapes(experiment):
     cfg = _compose([f"+experiment={experiment}", *TINY_SHAPES])
-    assert (cfg.optimizer.name, cfg.optimizer.sparsity, cfg.sdp.kind, cfg.sdp.coverage) == ("scape", 0.9, "block", 0.5)
+    got = (cfg.optimizer.name, cfg.optimizer.sparsity, cfg.sdp.kind, cfg.sdp.coverage)
+    assert got == ("scape", 0.9, "block", 0.5)
     _builds_on_4_workers(cfg)
 
 
