@@ -321,3 +321,4 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             own = slice(self.layout.owned_start, self.layout.owned_start + self.layout.owned_numel)
             torch.sub(self.flat.data[own], self.consensus[own], out=self.score).abs_()
             self.masks.exchange(following, self.k_at(following), async_op=False, overlap=False)
+            self.masks.wait()  # hold it now, as a checkpoint's mask is held after loading

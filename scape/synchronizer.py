@@ -282,3 +282,4 @@ class ScapeSynchronizer(MaskedSynchronizer):
         if "mask" in state and self.cfg.lag and not self.is_dense(following):
             self._score_residual()
             self.masks.exchange(following, self.k_at(following), async_op=False, overlap=False)
+            self.masks.wait()  # hold it now, as a checkpoint's mask is held after loading
