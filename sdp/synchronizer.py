@@ -467,7 +467,9 @@ class SubnetworkSynchronizer(GradientSynchronizer):
             entry = {k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()}
             count = total[f"count/{name}"]
             for key in keys:
-                full = total[f"{key}/{name}"].div_(count.clamp(min=1.0))
+                # both are means over the old workers: their ratio is the mean over the holders
+                # (an element no old worker held has count 0 and total 0, and stays 0)
+                full = total[f"{key}/{name}"].div_(count.clamp(min=torch.finfo(count.dtype).tiny))
                 if name in slices:
                     dim, indices = slices[name]
                     full = full.index_select(dim, indices.to(full.device))
