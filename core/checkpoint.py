@@ -5,8 +5,9 @@ any other state files, and last of all ``meta.json``: what the writer records (s
 config or at least ``config.model``, the tokenizer's path, ...) plus the sha256 of every other file
 under ``files``. Readers check those checksums before they load anything, so a silently damaged
 file is never used. A file written by another process (a rank's own shard) is hashed and fsynced
-by its writer (``save_hashed``) and its checksum handed to ``seal``, which then never reads it. The trainer's step-N folders (trainer/checkpoint.py) add the optimizer's and
-every rank's state; an HF import (models/hf.py) writes a weights-only folder a run starts from
+by its writer (``save_hashed``) and its checksum handed to ``seal``, which then never reads it.
+The trainer's step-N folders (trainer/checkpoint.py) add the optimizer's and every rank's state;
+an HF import (models/hf.py) writes a weights-only folder a run starts from
 with ``train.init_from=DIR``.
 
 A checkpoint written by N ranks holds one ``rank-R.pt`` per rank (``rank_file``); ``RankShards``
