@@ -4,9 +4,15 @@ A checkpoint folder holds ``model.safetensors`` (the full model's weights, our p
 any other state files, and last of all ``meta.json``: what the writer records (step, the resolved
 config or at least ``config.model``, the tokenizer's path, ...) plus the sha256 of every other file
 under ``files``. Readers check those checksums before they load anything, so a silently damaged
-file is never used. The trainer's step-N folders (trainer/checkpoint.py) add the optimizer's and
-every rank's state; an HF import (models/hf.py) writes a weights-only folder a run starts from
+file is never used. A file written by another process (a rank's own shard) is hashed and fsynced
+by its writer (``save_hashed``) and its checksum handed to ``seal``, which then never reads it.
+The trainer's step-N folders (trainer/checkpoint.py) add the optimizer's and every rank's state;
+an HF import (models/hf.py) writes a weights-only folder a run starts from
 with ``train.init_from=DIR``.
+
+A checkpoint written by N ranks holds one ``rank-R.pt`` per rank (``rank_file``); ``RankShards``
+reads them back on another number of ranks M (elastic resume), each file read by one new rank and
+its checksum verified first, and ``RankShards.mean`` combines them with one all-reduce.
 
 Also here: the one capture and restore of the RNG states (python, numpy, torch, CUDA).
 """
@@ -17,7 +23,7 @@ import json
 import os
 import random
 from pathlib import Path
-from typing import Any, Dict, Iterable, Mapping, Tuple
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -59,14 +65,48 @@ def save_weights(folder: Path, state_dict: Mapping[str, torch.Tensor]) -> None:
               str(Path(folder) / MODEL_FILE))
 
 
-def seal(folder: Path, meta: Dict[str, Any]) -> Dict[str, Any]:
-    """Checksum and fsync every file in ``folder``, then write ``meta.json`` (atomically) last."""
+class _HashingWriter:
+    """A file object that hashes what passes through it, so a file is checksummed as it is written
+    (one pass over the bytes, none read back)."""
+
+    def __init__(self, file) -> None:
+        self.file, self.hash = file, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.hash.update(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def save_hashed(obj: Any, path: Path) -> str:
+    """``torch.save`` ``obj`` to ``path``, fsync it and return its sha256 (for ``seal``'s ``checksums``)."""
+    with open(path, "wb") as f:
+        writer = _HashingWriter(f)
+        torch.save(obj, writer)
+        f.flush()
+        os.fsync(f.fileno())
+    return writer.hash.hexdigest()
+
+
+def seal(folder: Path, meta: Dict[str, Any], checksums: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    """Write ``meta.json`` (atomically) last, with the sha256 of every other file in ``folder``.
+
+    ``checksums`` are files their writers already hashed and fsynced (``save_hashed``, e.g. each
+    rank's own shard): they are not read here. Every other file is hashed and fsynced here."""
     folder = Path(folder)
     files = sorted(p.name for p in folder.iterdir() if p.name not in (META_FILE, META_FILE + ".tmp"))
-    checksums = {name: sha256(folder / name) for name in files}
-    for name in files:
+    given = dict(checksums or {})
+    missing = sorted(set(given) - set(files))
+    if missing:
+        raise CheckpointError(f"{folder} lacks {', '.join(missing)} although its writer reported it; "
+                              f"the checkpoint is incomplete and is not sealed")
+    own = [name for name in files if name not in given]
+    for name in own:
+        given[name] = sha256(folder / name)
         fsync_file(folder / name)
-    record = dict(meta, files=checksums)
+    record = dict(meta, files={name: given[name] for name in files})
     tmp = folder / (META_FILE + ".tmp")
     tmp.write_text(json.dumps(record, indent=2, default=str))
     fsync_file(tmp)
@@ -117,6 +157,71 @@ def read_weights(folder: Path) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]
     meta = read_meta(folder)
     verify(folder, meta, [MODEL_FILE])
     return load_file(str(Path(folder) / MODEL_FILE)), meta
+
+
+# ------------------------------------------------------------------ per-rank shards, elastic
+def rank_file(rank: int) -> str:
+    """The name of rank ``rank``'s own state file in a checkpoint folder."""
+    return f"rank-{rank}.pt"
+
+
+def repad(flat: torch.Tensor, numel: int, padded_numel: int) -> torch.Tensor:
+    """A flat buffer laid out for one partitioning, for another: the first ``numel`` values (the
+    parameters; the layout puts all padding at the end) followed by zero padding up to
+    ``padded_numel``."""
+    if flat.numel() < numel:
+        raise CheckpointError(f"a flat checkpoint buffer has {flat.numel()} values, fewer than the "
+                              f"model's {numel} parameters: it was written for another model")
+    out = torch.zeros(padded_numel, dtype=flat.dtype)
+    out[:numel] = flat[:numel]
+    return out
+
+
+class RankShards:
+    """The ``rank-R.pt`` files of a checkpoint written by ``world`` ranks, read on demand.
+
+    Each file is verified against meta.json before it is loaded. Only the RNG states of the files
+    read are kept (small), so a rank holds at most one old rank's tensors at a time."""
+
+    def __init__(self, folder: Path, meta: Dict[str, Any], world: int) -> None:
+        self.folder, self.meta, self.world = Path(folder), meta, int(world)
+        self._rng: Dict[int, Dict[str, Any]] = {}
+
+    def read(self, rank: int) -> Dict[str, Any]:
+        """Old rank ``rank``'s synchroniser state (its ``local_state_dict``)."""
+        name = rank_file(rank)
+        verify(self.folder, self.meta, [name])
+        state = torch.load(self.folder / name, map_location="cpu", weights_only=True)
+        self._rng[rank] = state["rng"]
+        return state["sync"]
+
+    def rng(self, rank: int) -> Dict[str, Any]:
+        if rank not in self._rng:
+            self.read(rank)
+        return self._rng[rank]
+
+    @torch.no_grad()
+    def mean(self, extract: Callable[[Dict[str, Any]], Mapping[str, torch.Tensor]],
+             like: Mapping[str, torch.Tensor], comm: Any, rank: int, world: int,
+             device: torch.device) -> Dict[str, torch.Tensor]:
+        """The mean over the old ranks of the fp32 tensors ``extract`` takes from each one's state.
+
+        Collective over the ``world`` new ranks: new rank j reads old ranks j, j + world, ... (so
+        every file is read once in all, whatever the two world sizes), sums what it read, and one
+        all-reduce (``comm``'s, kind ``resume``) adds the partial sums; ``like`` gives each
+        tensor's shape for the ranks that read nothing."""
+        total = {key: torch.zeros(t.shape, dtype=torch.float32, device=device) for key, t in like.items()}
+        for old in range(rank, self.world, world):
+            part = extract(self.read(old))
+            for key, buffer in total.items():
+                if part[key].shape != buffer.shape:
+                    raise CheckpointError(f"{rank_file(old)} of {self.folder} holds {key} of shape "
+                                          f"{tuple(part[key].shape)}, expected {tuple(buffer.shape)}")
+                buffer.add_(part[key].to(device, torch.float32))
+        for key, buffer in total.items():
+            comm.all_reduce(buffer, kind="resume")
+            buffer.div_(self.world)
+        return total
 
 
 # --------------------------------------------------------------------------------------- RNG

@@ -16,7 +16,8 @@ and between steps ``sync.zero_grad()``. Everything else the Trainer needs to kno
 never of the config: ``parameter_counts``, ``compute_spec`` (for FLOPs), ``step_budget``,
 ``validation_model``, ``evaluation_weights``, ``metrics``. Checkpoints call ``state_dict``
 (replicated state, written by rank 0), ``local_state_dict`` (this rank's own, e.g. SCAPE's
-residual, written by every rank) and ``model_state_dict`` (the full model's weights).
+residual, written by every rank) and ``model_state_dict`` (the full model's weights). A checkpoint
+written by another number of ranks is loaded with ``load_resharded_state`` (elastic resume).
 
 scape/ and sdp/ register their builders with ``register_synchronizer``; the Trainer looks them
 up by name with ``synchronizer_builder``.
@@ -129,6 +130,21 @@ class GradientSynchronizer:
 
     def load_local_state_dict(self, state: Dict[str, Any]) -> None:
         pass
+
+    def load_resharded_state(self, state: Dict[str, Any], shards: Any) -> None:
+        """Elastic resume: the replicated ``state`` and this rank's own state from a checkpoint
+        written by ``shards.world`` ranks (``core.checkpoint.RankShards``), not this run's number.
+        Collective: every rank calls it, after the model's weights are loaded.
+
+        Default: the replicated state as it is (dense AdamW/AdamS: one optimizer state over the
+        full model, the same on every rank, so nothing depends on the number of ranks). A
+        synchroniser with per-rank state overrides this and says how the old ranks' states
+        combine; one that does not is refused here rather than silently losing that state."""
+        if self.local_state_dict():
+            raise ValueError(f"{type(self).__name__} keeps per-rank state and cannot continue on another "
+                             f"number of ranks (the checkpoint was written by {shards.world}); resume with "
+                             f"{shards.world} processes")
+        self.load_state_dict(state)
 
     def model_state_dict(self) -> Dict[str, torch.Tensor]:
         """The full model's weights for checkpoints and export (collective for SDP; every rank calls)."""

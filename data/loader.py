@@ -6,6 +6,11 @@ split's token stream (x = window[:-1], y = window[1:]). The global sample number
 ``e`` visits the windows in a permutation seeded by (seed, e). So what a rank sees is a pure
 function of (seed, step, micro, rank, world_size): resuming at step s is just starting the
 count at s, ranks never share a sample within an epoch, and no loader state needs saving.
+
+The position a run has reached is the number of samples (windows; tokens / seq_len) consumed, not
+a per-rank index: ``batches(start_step, accum, first_sample=...)`` counts from that sample on, so
+a run continued on another number of ranks (or another micro-batch split of the same global
+batch) reads every later sample exactly once, none repeated and none skipped.
 """
 from __future__ import annotations
 
@@ -87,9 +92,19 @@ class TokenLoader:
                 self._orders[epoch] = order.astype(np.int32) if self.num_windows < 2**31 else order
             return self._orders[epoch]
 
-    def sample_windows(self, step: int, micro: int, accum_steps: int) -> List[int]:
-        """The window indices of this rank's micro-batch ``micro`` of optimizer step ``step``."""
-        first = ((step * accum_steps + micro) * self.world_size + self.rank) * self.micro_batch_size
+    def samples_per_step(self, accum_steps: int) -> int:
+        """Samples (windows) one optimizer step consumes over all ranks."""
+        return accum_steps * self.world_size * self.micro_batch_size
+
+    def sample_windows(self, step: int, micro: int, accum_steps: int,
+                       origin: Tuple[int, int] = (0, 0)) -> List[int]:
+        """The window indices of this rank's micro-batch ``micro`` of optimizer step ``step``.
+
+        ``origin`` = (a step, the global samples consumed before it): the count starts there (a
+        resumed run's position); (0, 0) is a run from the start."""
+        origin_step, origin_sample = origin
+        first = origin_sample + (((step - origin_step) * accum_steps + micro) * self.world_size
+                                 + self.rank) * self.micro_batch_size
         windows = []
         for sample in range(first, first + self.micro_batch_size):
             epoch, position = divmod(sample, self.num_windows)
@@ -100,25 +115,34 @@ class TokenLoader:
         rows = torch.from_numpy(np.stack([self.window(i) for i in windows]).astype(np.int64))
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
-    def micro_batch(self, step: int, micro: int, accum_steps: int) -> Batch:
-        return self._batch_of(self.sample_windows(step, micro, accum_steps))
+    def micro_batch(self, step: int, micro: int, accum_steps: int,
+                    origin: Tuple[int, int] = (0, 0)) -> Batch:
+        return self._batch_of(self.sample_windows(step, micro, accum_steps, origin))
 
     # --- training stream ----------------------------------------------------------------------
-    def batches(self, start_step: int, accum_steps: int) -> Iterator[Batch]:
-        """accum_steps micro-batches per step from ``start_step`` on, endlessly, prefetched."""
+    def batches(self, start_step: int, accum_steps: int, first_sample: "int | None" = None) -> Iterator[Batch]:
+        """accum_steps micro-batches per step from ``start_step`` on, endlessly, prefetched.
+
+        ``first_sample``: the global samples consumed before ``start_step`` (a resumed run's
+        position, from its tokens consumed); default ``start_step`` steps of this loader's size."""
         if accum_steps < 1 or start_step < 0:
             raise ValueError("accum_steps must be positive and start_step non-negative")
+        if first_sample is None:
+            first_sample = start_step * self.samples_per_step(accum_steps)
+        if first_sample < 0:
+            raise ValueError(f"first_sample must be non-negative, got {first_sample}")
+        origin = (start_step, int(first_sample))
         if self.prefetch <= 0:
             step = start_step
             while True:
                 for micro in range(accum_steps):
-                    yield self.micro_batch(step, micro, accum_steps)
+                    yield self.micro_batch(step, micro, accum_steps, origin)
                 step += 1
         stop = threading.Event()
         ready: "queue.Queue" = queue.Queue(maxsize=self.prefetch)
         # The thread holds the loader, the queue and the event, never this generator, so a
         # dropped generator is collected, its finally sets the event and the thread ends.
-        thread = threading.Thread(target=self._produce, args=(start_step, accum_steps, ready, stop),
+        thread = threading.Thread(target=self._produce, args=(start_step, accum_steps, origin, ready, stop),
                                   name=f"TokenLoader-{self.split}-rank{self.rank}", daemon=True)
         self._stops.add(stop)
         thread.start()
@@ -138,7 +162,8 @@ class TokenLoader:
             self._stops.discard(stop)
             thread.join(timeout=5.0)
 
-    def _produce(self, step: int, accum_steps: int, ready: "queue.Queue", stop: threading.Event) -> None:
+    def _produce(self, step: int, accum_steps: int, origin: Tuple[int, int], ready: "queue.Queue",
+                 stop: threading.Event) -> None:
         def put(item) -> bool:
             while not stop.is_set():
                 try:
@@ -151,7 +176,7 @@ class TokenLoader:
         try:
             while True:
                 for micro in range(accum_steps):
-                    if not put(self.micro_batch(step, micro, accum_steps)):
+                    if not put(self.micro_batch(step, micro, accum_steps, origin)):
                         return
                 step += 1
         except BaseException as error:  # noqa: BLE001 - re-raised in the consumer

@@ -56,6 +56,9 @@ loss all-reduce -- it is not part of the per-step bytes or the compression ratio
 Checkpoints: ``state_dict`` (rank 0) holds x, the step and the pending mask as a bitmap;
 ``local_state_dict`` (every rank) holds y_i and m_i. The trainer loads the model weights (the
 average) first, then these two, so y_i is restored exactly and a resumed run is bit-identical.
+On another number of ranks (``load_resharded_state``) every new rank starts from the mean of the
+old copies and of the old momenta: the average model x + mean_i d_i is kept, the drift is shared
+equally.
 """
 from __future__ import annotations
 
@@ -65,6 +68,7 @@ from typing import Any, Dict, Iterator, Optional
 
 import torch
 
+from core.checkpoint import repad
 from core.comm import Collectives, all_reduce_bytes
 from scape import kernels
 from scape.accounting import VALUE_BYTES, scape_step_bytes
@@ -279,3 +283,42 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         with torch.no_grad():
             self.flat.data.copy_(state["params"])
             self.optimizer.momentum.copy_(state["momentum"])
+
+    def load_resharded_state(self, state: Dict[str, Any], shards: Any) -> None:
+        """Elastic resume from a checkpoint of ``shards.world`` ranks (collective).
+
+        The consensus x and the step are replicated (re-padded for this run's partitions). Every
+        new rank takes y = mean_i y_i and m = mean_i m_i over the old ranks: the average model
+        x + mean_i d_i, the one validated and saved, is unchanged, and the drift left to average
+        in is the mean drift on every rank. The pending mask (k per old partition) is re-selected
+        from |y - x| on this run's partitions and all-gathered now."""
+        if state.get("optimizer") != NAME or "consensus" not in state:
+            raise ValueError("this checkpoint was not written by optimizer=sparse_avg (no consensus "
+                             "weights); resume it with the optimizer that wrote it")
+        old = state.get("layout") or {}
+        numel, padded = self.layout.numel, self.layout.padded_numel
+        if old.get("numel") != numel:
+            raise ValueError(f"sparse_avg checkpoint has {old.get('numel')} parameters, this model has "
+                             f"{numel}: resume with the model the run was started with")
+        self.masks.wait()
+        self.consensus.copy_(repad(state["consensus"], numel, padded))
+        self.step_count = int(state["step"])
+        self.masks.load_state_dict({})
+
+        def copy_and_momentum(local: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+            if "params" not in local or "momentum" not in local:
+                raise ValueError("a rank's checkpoint file holds no sparse_avg copy and momentum; "
+                                 "it was written by another optimizer")
+            return {"params": local["params"], "momentum": local["momentum"]}
+
+        like = {key: torch.empty(old["padded_numel"]) for key in ("params", "momentum")}
+        mean = shards.mean(copy_and_momentum, like, self.comm, self.rank, self.world, self.device)
+        with torch.no_grad():
+            self.flat.data.copy_(repad(mean["params"].cpu(), numel, padded))
+            self.optimizer.momentum.copy_(repad(mean["momentum"].cpu(), numel, padded))
+        following = self.step_count + 1
+        if "mask" in state and not self.is_dense(following):
+            own = slice(self.layout.owned_start, self.layout.owned_start + self.layout.owned_numel)
+            torch.sub(self.flat.data[own], self.consensus[own], out=self.score).abs_()
+            self.masks.exchange(following, self.k_at(following), async_op=False, overlap=False)
+            self.masks.wait()  # hold it now, as a checkpoint's mask is held after loading

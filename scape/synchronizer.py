@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from core.checkpoint import repad
 from core.comm import Collectives
 from scape import kernels
 from scape.config import OptimizerConfig
@@ -261,3 +262,43 @@ class ScapeSynchronizer(MaskedSynchronizer):
         if int(state["rank"]) != self.rank:
             raise ValueError(f"SCAPE residual of rank {state['rank']} loaded on rank {self.rank}")
         self.residual.load(state["residual"])
+
+    def load_resharded_state(self, state: Dict[str, Any], shards: Any) -> None:
+        """Elastic resume from a checkpoint of ``shards.world`` ranks (collective).
+
+        - Replicated state (momentum, second moment, staleness counters, step): the same
+          coordinates on any number of ranks (the flat layout pads at the end only), re-padded.
+        - Residual: every new rank starts from the mean of the old ranks' residuals. What a sparse
+          step delivers is ghat = mean_i (e_i + (1 - b1) g_i)[M] / (1 - b1): the mean of the
+          residuals is exactly what the next all-reduce would have added, so none of the delayed
+          gradient mass is lost or counted twice (M copies of mean_i e_i average to it again).
+        - The pending mask M_{t+1} was k per old partition; it is re-selected for this run's
+          partitions from the restored state with the post-step score |b1 m + e| (``score``
+          decides |e| or the moment form) and all-gathered now, synchronously.
+        """
+        old = state.get("layout") or {}
+        if old.get("numel") != self.layout.numel:
+            raise ValueError(f"SCAPE checkpoint has {old.get('numel')} parameters, this model has "
+                             f"{self.layout.numel}: resume with the model the run was started with")
+        numel, padded = self.layout.numel, self.layout.padded_numel
+        self.masks.wait()
+        flat_state = ("momentum", "second_moment", "last_sent")  # one value per flat coordinate
+        self.optimizer.load_state_dict({name: repad(t, numel, padded) if name in flat_state else t
+                                        for name, t in state["optimizer"].items()})
+        self.step_count = int(state["step"])
+        self.masks.load_state_dict({})  # the old mask is k per old partition: re-selected below
+
+        def residual_of(local: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+            if "residual" not in local or (local.get("layout") or {}).get("numel") != numel:
+                raise ValueError("a rank's checkpoint file holds no SCAPE residual for this model; it was "
+                                 "written by another optimizer or model")
+            return {"residual": local["residual"]}
+
+        like = {"residual": torch.empty(old["padded_numel"])}
+        mean = shards.mean(residual_of, like, self.comm, self.rank, self.world, self.device)["residual"]
+        self.residual.load(repad(mean.cpu(), numel, padded).to(self.residual.storage.device))
+        following = self.step_count + 1
+        if "mask" in state and self.cfg.lag and not self.is_dense(following):
+            self._score_residual()
+            self.masks.exchange(following, self.k_at(following), async_op=False, overlap=False)
+            self.masks.wait()  # hold it now, as a checkpoint's mask is held after loading

@@ -100,6 +100,7 @@ class SubnetworkSynchronizer(GradientSynchronizer):
         self._validation: Optional[Tuple[int, nn.Module]] = None
 
         held, self.shadows = self._held_tensors(model)
+        self._held = held  # (full-model name, tensor the optimizer steps), for checkpoints
         self.groups = self._create_groups()
         self.buckets = self._build_buckets(held)
         viewed = {id(bp.tensor) for b in self.buckets for bp in b.pieces if bp.piece.dim is None}
@@ -377,8 +378,16 @@ class SubnetworkSynchronizer(GradientSynchronizer):
     # ------------------------------------------------------------------ checkpoint state
 
     def state_dict(self) -> Dict[str, Any]:
-        """Replicated: the plan (optimizer state differs between workers: see local_state_dict)."""
-        return {"sdp_plan": self.plan.to_json()}
+        """Replicated: the plan, and which optimizer-state entries are per-element moments and
+        which scalars (the same on every worker: every held tensor steps every step), for an
+        elastic resume (the optimizer state itself differs between workers: local_state_dict)."""
+        state: Dict[str, Any] = {"sdp_plan": self.plan.to_json()}
+        first = next((self.optimizer.state[p] for p in self.params if self.optimizer.state.get(p)), None)
+        if first is not None:
+            state["moment_keys"] = sorted(k for k, v in first.items() if torch.is_tensor(v) and v.dim() > 0)
+            state["scalars"] = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+                                for k, v in first.items() if not (torch.is_tensor(v) and v.dim() > 0)}
+        return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         saved = state.get("sdp_plan")
@@ -388,9 +397,14 @@ class SubnetworkSynchronizer(GradientSynchronizer):
                              "strategy, seed, workers or plan_path differ): resume with the run's own "
                              "sdp settings, or start a new run from its model weights")
 
+    def _param_names(self) -> List[str]:
+        """The full-model name of every optimizer parameter, in the optimizer's state-dict order."""
+        names = {id(t): n for n, t in self._held}
+        return [names[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
+
     def local_state_dict(self) -> Dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "held": self.plan.held(self.rank),
-                "masking": self.masking}
+                "masking": self.masking, "rank": self.rank, "param_names": self._param_names()}
 
     def load_local_state_dict(self, state: Dict[str, Any]) -> None:
         if not state:
@@ -399,6 +413,74 @@ class SubnetworkSynchronizer(GradientSynchronizer):
             raise ValueError(f"rank {self.rank}'s checkpointed optimizer state belongs to another "
                              f"subnetwork or masking; resume with the run's own sdp settings")
         self.optimizer.load_state_dict(state["optimizer"])
+
+    @torch.no_grad()
+    def load_resharded_state(self, state: Dict[str, Any], shards: Any) -> None:
+        """Elastic resume: the plan is this run's (made for its number of workers); the full model
+        was re-sliced by ``load_model_state_dict``; the optimizer state is re-sliced the same way.
+
+        Each old worker's moments are scattered into full-model tensors where its subnetwork
+        sits (with a count of 1 there); ``shards.mean`` adds them over the old workers and the
+        count divides them out: every element gets the mean over its old holders, which all held
+        the same value (holders average the same gradients). Each new worker then slices its
+        own held tensors out, as it sliced the weights. Collective (one all-reduce)."""
+        from models.subnet import parameter_slices
+        from sdp.plan import Plan
+
+        saved = state.get("sdp_plan")
+        if saved is None or saved.get("kind") != self.plan.kind:
+            raise ValueError(f"the checkpoint was not written under sdp.kind={self.plan.kind}; resume with "
+                             f"the run's own sdp settings, or start a new run from its model weights")
+        old_plan = Plan.from_json(saved, self.cfg)  # refuses a plan for another model
+        if "moment_keys" not in state:
+            self.load_state_dict({})  # written before the first step: no optimizer state yet
+            return
+        keys, scalars = list(state["moment_keys"]), state["scalars"]
+        shapes = self.layout.full_shapes
+        like = {f"{key}/{name}": torch.empty(shapes[name]) for key in keys + ["count"] for name in shapes}
+
+        def scattered(local: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+            if "param_names" not in local or "rank" not in local:
+                raise ValueError("a rank's checkpoint file holds no SDP parameter names; it was written "
+                                 "before elastic resume existed: resume it with its own number of ranks")
+            slices = parameter_slices(self.cfg, old_plan.subnet_spec(int(local["rank"])))
+            out = {k: torch.zeros(t.shape) for k, t in like.items()}
+            for index, name in enumerate(local["param_names"]):
+                entry = local["optimizer"]["state"].get(index)
+                if not entry:
+                    continue
+                for key in keys + ["count"]:
+                    value = torch.ones_like(entry[keys[0]]) if key == "count" else entry[key]
+                    target = out[f"{key}/{name}"]
+                    if name in slices:
+                        dim, indices = slices[name]
+                        target.index_copy_(dim, indices, value.float())
+                    else:
+                        target.copy_(value)
+            return out
+
+        total = shards.mean(scattered, like, self.comm, self.rank, self.world, self.device)
+        slices = parameter_slices(self.cfg, self.spec)
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        new_state: Dict[int, Dict[str, Any]] = {}
+        for index, (name, param) in enumerate(zip(self._param_names(), params)):
+            entry = {k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()}
+            count = total[f"count/{name}"]
+            for key in keys:
+                # both are means over the old workers: their ratio is the mean over the holders
+                # (an element no old worker held has count 0 and total 0, and stays 0)
+                full = total[f"{key}/{name}"].div_(count.clamp(min=torch.finfo(count.dtype).tiny))
+                if name in slices:
+                    dim, indices = slices[name]
+                    full = full.index_select(dim, indices.to(full.device))
+                if full.shape != param.shape:
+                    raise ValueError(f"re-sliced SDP optimizer state for {name} has shape {tuple(full.shape)}, "
+                                     f"the held tensor {tuple(param.shape)}")
+                entry[key] = full.to(param.device, param.dtype).clone()
+            new_state[index] = entry
+        saved_sd = self.optimizer.state_dict()
+        saved_sd["state"] = new_state
+        self.optimizer.load_state_dict(saved_sd)
 
     def metrics(self) -> Dict[str, float]:
         return {"sdp/coverage": float(self.plan.coverage),

@@ -1,4 +1,5 @@
-"""Step-N checkpoint folders: atomic, checksummed, resumable (torchtitan's layout).
+"""Step-N checkpoint folders: atomic, checksummed, resumable (torchtitan's layout), written by
+every rank in parallel and resumable on another number of ranks.
 
 A checkpoint is written into ``.step-N.tmp`` and renamed to ``step-N`` only after every file,
 and last of all ``meta.json`` (with the sha256 of every other file), is on disk. A folder without
@@ -6,30 +7,55 @@ a valid ``meta.json`` is therefore never a checkpoint: a kill during the write l
 ``.tmp`` folder, which the next save removes. Assumes the run directory is on a filesystem every
 rank sees (a cluster's shared scratch), as torchtitan and Megatron do.
 
-Files:
+Files, and who writes them (all at the same time):
     model.safetensors   the full model's weights (rank 0)
-    optimizer.pt        the synchroniser's replicated state: optimizer, SCAPE mask, ... (rank 0)
-    rank-R.pt           each rank's own state: RNG states, SCAPE residual, SDP optimizer state
-    meta.json           step, world size, data position, resolved config, checksums
+    optimizer.pt        the synchroniser's replicated state: optimizer, SCAPE mask, ... (rank 1,
+                        rank 0 on one process: the two large replicated files go out in parallel)
+    rank-R.pt           each rank's own state (rank R): RNG states, SCAPE residual, sparse_avg's
+                        copy and momentum, SDP's optimizer state
+    meta.json           step, world size, data position, resolved config, checksums (rank 0, last)
+
+Every rank hashes (while writing: one pass) and fsyncs its own files; rank 0 gathers the
+checksums (a few bytes a rank) and seals. Rank 0 never reads another rank's file, so its share of
+the write is the model and meta.json whatever the number of ranks. A rank that fails to write
+reports it in the same gather, and every rank raises; the folder stays ``.tmp``.
+
+The project's own format, not torch.distributed.checkpoint: DCP reshards tensors that are shards
+of one global tensor (DTensor), but SCAPE's residual and sparse_avg's copies are per-rank values
+of the full buffer, whose resharding is a mean (the synchronisers' ``load_resharded_state``), and
+the checksums and atomic rename above would have to be rebuilt around DCP's own metadata. A
+sharded optimizer (``optimizer.shard``) fits the same layout: each rank puts its partition of the
+momentum and master weights, with the partition's bounds in the flat buffer, into its
+``rank-R.pt``; ``optimizer.pt`` keeps the replicated rest; resuming on M ranks concatenates the
+partitions by their bounds and re-slices them (``RankShards.read`` per old rank).
+
+Elastic resume: a checkpoint written by N ranks loads on M != N. The replicated files load as
+they are; each synchroniser combines the old ranks' files (``load_resharded_state``); new rank r
+takes old rank r's RNG states, or fresh ones seeded from (seed, step, r) when r >= N. The data
+position is the tokens consumed (meta ``data.tokens_consumed``), which do not depend on N.
 """
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
+import numpy as np
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
-from core.checkpoint import (MODEL_FILE, CheckpointError, capture_rng, fsync_dir, fsync_file, read_meta,
-                             restore_rng, save_weights, seal, verify)
+from core.checkpoint import (MODEL_FILE, CheckpointError, RankShards, capture_rng, fsync_dir, rank_file,
+                             read_meta, restore_rng, save_hashed, save_weights, seal, verify)
 from core.distributed import DistEnv, barrier
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+OPTIMIZER_FILE = "optimizer.pt"
 __all__ = ["CheckpointError", "Checkpointer", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
-           "read_meta", "save_checkpoint", "verify_checkpoint"]
+           "read_meta", "save_checkpoint", "tokens_consumed", "verify_checkpoint"]
 verify_checkpoint = verify
 
 
@@ -50,6 +76,19 @@ def latest_checkpoint(run_dir: Path) -> Optional[Path]:
     return ckpts[-1] if ckpts else None
 
 
+def replicated_writer(world_size: int) -> int:
+    """The rank that writes ``optimizer.pt``: not rank 0 (busy with the model) when there is another."""
+    return min(1, world_size - 1)
+
+
+def _gather(obj: Any, world_size: int) -> list:
+    if world_size == 1 or not dist.is_initialized():
+        return [obj]
+    out: list = [None] * world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def save_checkpoint(run_dir: Path, step: int, sync, env: DistEnv, meta: Dict[str, Any],
                     keep_last: int) -> Path:
     """Write ``run_dir/step-{step}`` atomically; every rank calls this (it has collectives)."""
@@ -61,14 +100,26 @@ def save_checkpoint(run_dir: Path, step: int, sync, env: DistEnv, meta: Dict[str
         tmp.mkdir(parents=True)
     barrier()
     model_state = sync.model_state_dict()  # collective for SDP: every rank calls it
+    checksums: Dict[str, str] = {}
+    error = None
+    try:
+        if env.is_main:
+            save_weights(tmp, model_state)  # hashed and fsynced by rank 0's seal below
+        if env.rank == replicated_writer(env.world_size):
+            checksums[OPTIMIZER_FILE] = save_hashed(sync.state_dict(), tmp / OPTIMIZER_FILE)
+        checksums[rank_file(env.rank)] = save_hashed({"rng": capture_rng(), "sync": sync.local_state_dict()},
+                                                     tmp / rank_file(env.rank))
+    except Exception as exc:  # noqa: BLE001 - every rank learns of it below and raises
+        error = f"rank {env.rank}: {type(exc).__name__}: {exc}"
+    del model_state
+    reports = _gather((checksums, error), env.world_size)
+    errors = [e for _, e in reports if e is not None]
+    if errors:
+        raise CheckpointError(f"writing checkpoint {final} failed ({'; '.join(errors)}); the previous "
+                              f"checkpoints are kept and {tmp} is removed by the next save")
     if env.is_main:
-        save_weights(tmp, model_state)
-        torch.save(sync.state_dict(), tmp / "optimizer.pt")
-    torch.save({"rng": capture_rng(), "sync": sync.local_state_dict()}, tmp / f"rank-{env.rank}.pt")
-    fsync_file(tmp / f"rank-{env.rank}.pt")
-    barrier()
-    if env.is_main:
-        seal(tmp, dict(meta, step=step, world_size=env.world_size))
+        written = {name: digest for sums, _ in reports for name, digest in sums.items()}
+        seal(tmp, dict(meta, step=step, world_size=env.world_size), checksums=written)
         if final.exists():  # the same step saved again (e.g. a signal at a checkpoint step)
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -79,20 +130,62 @@ def save_checkpoint(run_dir: Path, step: int, sync, env: DistEnv, meta: Dict[str
     return final
 
 
+def tokens_consumed(meta: Dict[str, Any], seq_len: int) -> int:
+    """The training tokens a checkpoint's run had consumed: where its data stream continues.
+
+    Counted in tokens, not per-rank indices, so it holds on any number of ranks. Checkpoints
+    written before it was recorded: step x the global batch of their config."""
+    config = meta.get("config") or {}
+    saved_seq = (config.get("model") or {}).get("seq_len")
+    if saved_seq is not None and int(saved_seq) != int(seq_len):
+        raise CheckpointError(f"the checkpoint was trained on windows of model.seq_len={saved_seq}, this run "
+                              f"uses {seq_len}: its data position is not a whole number of windows of the "
+                              f"new length; resume with model.seq_len={saved_seq}")
+    data = meta.get("data") or {}
+    if "tokens_consumed" in data:
+        return int(data["tokens_consumed"])
+    return int(meta["step"]) * int(config["train"]["global_batch_tokens"])
+
+
+def _fresh_rng(seed: int, step: int, rank: int) -> None:
+    """RNG states for a rank the checkpoint has none for (elastic resume onto more ranks)."""
+    value = (int(seed) * 1_000_003 + int(step)) * 4099 + int(rank)
+    random.seed(value)
+    np.random.seed(value % 2**32)
+    torch.manual_seed(value)
+
+
 def load_checkpoint(ckpt: Path, sync, env: DistEnv) -> Dict[str, Any]:
-    """Restore model, synchroniser and this rank's RNG from ``ckpt``; returns its meta."""
+    """Restore model, synchroniser and this rank's RNG from ``ckpt``; returns its meta.
+
+    Collective. A checkpoint of N ranks on M != N ranks is resharded (module docstring)."""
     meta = read_meta(ckpt)
-    if meta.get("world_size") != env.world_size:
-        raise CheckpointError(f"checkpoint {ckpt} was written by {meta.get('world_size')} ranks but "
-                              f"this run has {env.world_size}; resume with the same number of "
-                              f"processes (the data order, SCAPE residuals and SDP plans are per rank)")
-    rank_file = f"rank-{env.rank}.pt"
-    verify(ckpt, meta, [MODEL_FILE, "optimizer.pt", rank_file])
-    sync.load_model_state_dict(load_file(str(ckpt / MODEL_FILE)))
-    sync.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True))
-    local = torch.load(ckpt / rank_file, map_location="cpu", weights_only=True)
-    sync.load_local_state_dict(local["sync"])
-    restore_rng(local["rng"])
+    old_world = int(meta.get("world_size", 0))
+    if old_world < 1:
+        raise CheckpointError(f"{ckpt}/meta.json records no world_size; it is not a step checkpoint of this "
+                              f"trainer (to start from its weights only, use train.init_from={ckpt})")
+    verify(ckpt, meta, [MODEL_FILE, OPTIMIZER_FILE])
+    try:
+        sync.load_model_state_dict(load_file(str(ckpt / MODEL_FILE)))
+    except (RuntimeError, KeyError) as exc:
+        raise CheckpointError(f"the model in {ckpt} does not fit this run's model ({exc}); resume with the "
+                              f"model config the run was started with") from None
+    replicated = torch.load(ckpt / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    if old_world == env.world_size:
+        verify(ckpt, meta, [rank_file(env.rank)])
+        sync.load_state_dict(replicated)
+        local = torch.load(ckpt / rank_file(env.rank), map_location="cpu", weights_only=True)
+        sync.load_local_state_dict(local["sync"])
+        restore_rng(local["rng"])
+        return meta
+    shards = RankShards(ckpt, meta, old_world)
+    sync.load_resharded_state(replicated, shards)
+    if env.rank < old_world:
+        restore_rng(shards.rng(env.rank))
+    else:
+        _fresh_rng(meta.get("data", {}).get("seed", 0), int(meta["step"]), env.rank)
+    if env.is_main:
+        print(f"resumed {ckpt} (written by {old_world} ranks) on {env.world_size}", flush=True)
     return meta
 
 

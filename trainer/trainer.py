@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from core.comm import Collectives, all_reduce_bytes
 from core.distributed import DistEnv, barrier, init_distributed, on_main, shutdown
-from trainer.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint, read_meta
+from trainer.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint, read_meta, tokens_consumed
 from trainer.config import Config, ConfigError, accumulation_steps, to_config
 from trainer.metrics import MetricsLogger, MetricsProcessor
 from trainer.parts import build_model_and_sync
@@ -143,12 +143,14 @@ class Trainer:
 
     def _open_run(self) -> None:
         env, bytes_cumulative = self.env, 0.0
+        self._tokens_at_start = 0
         if env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         barrier()
         if self.resume_from is not None:
             meta = load_checkpoint(self.resume_from, self.sync, env)
             self.start_step, bytes_cumulative = int(meta["step"]), float(meta.get("bytes_cumulative", 0.0))
+            self._tokens_at_start = tokens_consumed(meta, self.cfg.model.seq_len)
         elif self.cfg.train.init_from is not None:
             self._init_weights(Path(self.cfg.train.init_from))
         self.step = self.start_step
@@ -192,7 +194,8 @@ class Trainer:
             tokenizer = load_tokenizer(self.prepared) if env.is_main else None
             self.downstream = DownstreamEvaluator(self.sync, tokenizer, t.downstream_every, t.downstream_tasks,
                                                   t.downstream_limit, t.downstream_include_path)
-        self.batches = self.train_data.batches(self.start_step, self.accum)
+        self.batches = self.train_data.batches(self.start_step, self.accum,
+                                               first_sample=self._tokens_at_start // self.cfg.model.seq_len)
         self.validator = Validator(self.sync, self.sync.validation_model(self.train_model),
                                    self.val_data.eval_batches(t.eval_batches), env.device, self.autocast,
                                    self.comm, t.eval_every)
@@ -200,7 +203,9 @@ class Trainer:
 
     def _meta(self, step: int) -> Dict[str, Any]:
         return {"config": self.resolved, "tokenizer_path": str(self.prepared / "tokenizer.json"),
-                "data": {"prepared_dir": str(self.prepared), "next_step": step, "seed": self.cfg.seed},
+                "data": {"prepared_dir": str(self.prepared), "next_step": step, "seed": self.cfg.seed,
+                         "tokens_consumed": self._tokens_at_start
+                         + (step - self.start_step) * self.cfg.train.global_batch_tokens},
                 "bytes_cumulative": self.metrics.bytes_cumulative}
 
     def _status(self, state: str, step: int) -> None:

@@ -139,3 +139,43 @@ def test_prefetch_thread_ends_when_the_generator_is_dropped_or_closed(prepared):
 def test_a_split_shorter_than_one_window_is_refused(prepared):
     with pytest.raises(Exception, match="fewer than one window"):
         TokenLoader(prepared, "val", 10**7, 1, 0, 1, seed=0)
+
+
+def _step_samples(loader_for, world: int, micro_batch: int, accum: int, step: int, origin_step: int,
+                  first_sample: int):
+    """The windows every rank of a ``world``-rank run draws at ``step``, resumed at ``origin_step``
+    after ``first_sample`` samples (through ``batches``, as the trainer reads them)."""
+    drawn = []
+    for rank in range(world):
+        loader = loader_for(rank, world, micro_batch)
+        stream = loader.batches(origin_step, accum, first_sample=first_sample)
+        for _ in range((step - origin_step) * accum):
+            next(stream)
+        for _ in range(accum):
+            x, _ = next(stream)
+            drawn.extend(tuple(row) for row in x.tolist())
+        stream.close()
+    return sorted(drawn)
+
+
+def test_a_run_continued_on_another_world_size_neither_repeats_nor_skips(prepared):
+    """The position is the samples consumed: 2 ranks stopped at step 3 and continued on 1 or 4
+    ranks (the same global batch of 8 windows, split differently) read what the 2-rank run would
+    have read at every later step, and the samples consumed so far never again in this epoch."""
+    make = lambda rank, world, mb: TokenLoader(prepared, "train", 12, mb, rank, world, seed=5, prefetch=0)  # noqa: E731
+    stop = 3
+    consumed = stop * 8
+    for world, micro_batch, accum in ((1, 4, 2), (4, 2, 1)):
+        for step in (stop, stop + 1):
+            continued = _step_samples(make, world, micro_batch, accum, step, stop, consumed)
+            straight = _step_samples(make, 2, 2, 2, step, 0, 0)
+            assert continued == straight, (world, step)
+    before = {tuple(w) for s in range(stop) for w in _step_samples(make, 2, 2, 2, s, 0, 0)}
+    after = set(_step_samples(make, 4, 2, 1, stop, stop, consumed))
+    assert not before & after
+    # Counted in samples, not steps: a continuation with half the global batch reads the 2-rank
+    # run's step 3 over its steps 3 and 4.
+    halves = _step_samples(make, 1, 4, 1, stop, stop, consumed) + _step_samples(make, 1, 4, 1, stop + 1, stop, consumed)
+    assert sorted(halves) == _step_samples(make, 2, 2, 2, stop, 0, 0)
+    with pytest.raises(ValueError, match="first_sample"):
+        next(make(0, 1, 4).batches(0, 1, first_sample=-1))

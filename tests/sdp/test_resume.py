@@ -1,6 +1,10 @@
 """SDP checkpoints on 2 gloo processes: the full model is saved and re-sliced, resume is exact,
-and state from another plan is refused."""
+and state from another plan is refused; a 2-worker checkpoint resumes on 4 workers with every
+optimizer moment re-sliced from its old holder."""
 from __future__ import annotations
+
+import math
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -73,3 +77,88 @@ def _resume_and_mismatches(rank: int, world: int, tmp: str) -> None:
 def test_exact_resume_and_mismatched_plans_rejected(tmp_path):
     # one spawn for both: starting ranks costs more here than the checks themselves
     run_distributed(_resume_and_mismatches, world_size=2, args=(str(tmp_path),))
+
+
+# ------------------------------------------------------------------ elastic: 2 workers -> 4
+
+ELASTIC = [("neuron", "forward"), ("block", "backward")]
+
+
+def _held_locations(sync, model):
+    """(tensor the optimizer steps, full-model name, (dim, indices) or None) for this worker."""
+    shadows = {id(s.held): s for s in sync.shadows}
+    names = {id(p): n for n, p in model.named_parameters()}
+    full_names = {id(p): n for n, p in model.named_parameters()}
+    out = []
+    for p in sync.params:
+        if id(p) in shadows:
+            s = shadows[id(p)]
+            out.append((p, full_names[id(s.full)], (s.dim, s.indices)))
+        else:
+            out.append((p, names[id(p)], None))
+    return out
+
+
+def _full_moments(cfg, sync, model, key):
+    """This worker's optimizer moment ``key`` at its full-model positions, NaN where it holds nothing."""
+    from tests.sdp._bodies import full_shapes
+
+    full = {n: torch.full(shape, float("nan")) for n, shape in full_shapes(cfg).items()}
+    for p, name, where in _held_locations(sync, model):
+        value = sync.optimizer.state[p][key]
+        if where is None and sync.masking == "forward" and value.shape != full[name].shape:
+            from models.subnet import scatter_state_dict
+
+            scatter_state_dict({name: value}, full, cfg, sync.spec)
+        elif where is None:
+            full[name].copy_(value)
+        else:
+            full[name].index_copy_(where[0], where[1], value)
+    return full
+
+
+def _write_two(rank: int, world: int, tmp: str) -> None:
+    from core.distributed import DistEnv
+    from trainer.checkpoint import save_checkpoint
+
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
+    for kind, masking in ELASTIC:
+        cfg = tiny()
+        model, sync = build_sdp(cfg, SDPConfig(kind=kind, coverage=0.5, masking=masking, groups_per_block=2),
+                                rank, world, "adamw")
+        for step in range(3):
+            train_step(model, sync, cfg, rank, step)
+        save_checkpoint(Path(tmp) / f"{kind}-{masking}", 3, sync, env, {"data": {"seed": 0}}, keep_last=1)
+        torch.save({key: _full_moments(cfg, sync, model, key) for key in ("exp_avg", "exp_avg_sq")},
+                   Path(tmp) / f"{kind}-{masking}-moments-{rank}.pt")
+
+
+def _resume_on_four(rank: int, world: int, tmp: str) -> None:
+    from core.distributed import DistEnv
+    from trainer.checkpoint import load_checkpoint
+
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
+    for kind, masking in ELASTIC:
+        cfg = tiny()
+        torch.manual_seed(99)
+        from sdp import build_synchronizer
+
+        sdp_cfg = SDPConfig(kind=kind, coverage=0.5, masking=masking, groups_per_block=2)
+        model, sync = build_synchronizer(cfg, sdp_cfg, optimizer_cfg("adamw"), world, rank, torch.device("cpu"))
+        load_checkpoint(Path(tmp) / f"{kind}-{masking}" / "step-3", sync, env)
+        old = [torch.load(Path(tmp) / f"{kind}-{masking}-moments-{r}.pt", weights_only=True) for r in range(2)]
+        for key in ("exp_avg", "exp_avg_sq"):
+            mine = _full_moments(cfg, sync, model, key)
+            for name, tensor in mine.items():
+                held = ~tensor.isnan()
+                expected = torch.where(old[0][key][name].isnan(), old[1][key][name], old[0][key][name])
+                assert held.any() or name.startswith("blocks."), name
+                assert torch.equal(tensor[held], expected[held]), f"{kind}/{masking} {key} {name}"
+        assert all(int(sync.optimizer.state[p]["step"]) == 3 for p in sync.params)
+        assert math.isfinite(train_step(model, sync, cfg, rank, 3))
+
+
+def test_elastic_resume_reslices_the_optimizer_state_onto_four_workers(tmp_path):
+    """Each new worker's AdamW moments are the old holders' values of the tensors it now holds."""
+    run_distributed(_write_two, world_size=2, args=(str(tmp_path),))
+    run_distributed(_resume_on_four, world_size=4, args=(str(tmp_path),))
