@@ -41,6 +41,15 @@ from scape.update import ScapeOptimizer
 class ShardedScapeSynchronizer(ScapeSynchronizer):
     """SCAPE whose optimizer state covers this rank's owned partitions only (see module doc)."""
 
+    def load_resharded_state(self, state, shards) -> None:
+        """Not elastic yet: the optimizer state is cut by the old ranks' partitions (or holder
+        groups), which a resume on another number of ranks would have to re-cut; refused here
+        rather than loaded wrongly through the parent class's path."""
+        raise ValueError(f"sharded SCAPE (optimizer.shard=true) cannot continue on another number of "
+                         f"ranks yet (the checkpoint was written by {shards.world}); resume on "
+                         f"{shards.world} ranks, or start from its weights with "
+                         f"train.init_from=<checkpoint folder>")
+
     def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig,
                  num_partitions: Optional[int] = None,
                  residual_chunk_numel: int = DEFAULT_CHUNK_NUMEL, comm: Optional[Collectives] = None) -> None:

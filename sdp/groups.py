@@ -56,6 +56,15 @@ class _GroupOptimizers:
 class HolderGroupSynchronizer(SubnetworkSynchronizer):
     """SDP whose holder groups each run the synchroniser ``group_builder`` makes (see module doc)."""
 
+    def load_resharded_state(self, state, shards) -> None:
+        """Not elastic yet: the optimizer state is cut by the old ranks' partitions (or holder
+        groups), which a resume on another number of ranks would have to re-cut; refused here
+        rather than loaded wrongly through the parent class's path."""
+        raise ValueError(f"SCAPE inside SDP holder groups cannot continue on another number of "
+                         f"ranks yet (the checkpoint was written by {shards.world}); resume on "
+                         f"{shards.world} ranks, or start from its weights with "
+                         f"train.init_from=<checkpoint folder>")
+
     def __init__(self, model: nn.Module, plan: Plan, layout: ComponentLayout, rank: int, masking: str,
                  group_builder: GroupSynchronizerBuilder, opt_cfg: Any,
                  flop_matched_coverage: Optional[float] = None, comm: Optional[Collectives] = None) -> None:

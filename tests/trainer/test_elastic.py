@@ -81,3 +81,15 @@ def test_scape_two_ranks_resume_on_four(tmp_path, prepared_cache):
 
 def test_scape_four_ranks_resume_on_two(tmp_path, prepared_cache):
     _elastic(tmp_path, prepared_cache, "scape", 4, [2])
+
+
+def test_sharded_scape_on_another_world_size_is_refused_clearly(tmp_path, prepared_cache):
+    """Sharded SCAPE's momentum is cut by the old ranks' partitions: not elastic yet, and said so
+    (a non-zero exit naming the way out) instead of loading it through replicated SCAPE's path."""
+    common = [*TINY, f"out_dir={tmp_path}", f"data.cache_dir={prepared_cache}", "train.micro_batch_size=2",
+              "train.steps=4", "train.ckpt_every=0", "optimizer=scape", "optimizer.sparsity=0.9",
+              "optimizer.shard=true", "run_name=split"]
+    check(train_cli([*common, "train.stop_after_steps=2"], nproc=2))
+    proc = train_cli([*common, "resume=auto"], nproc=1)
+    assert proc.returncode != 0 and "cannot continue on another number of ranks" in proc.stderr + proc.stdout
+    assert not (tmp_path / "split" / "step-4").exists()
