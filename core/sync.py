@@ -228,7 +228,7 @@ class DenseAllReduce(GradientSynchronizer):
             if skip is None or not bool(skip):
                 super().step(lr)
             return
-        self.optimizer.found_inf = skip.to(torch.float32).reshape(1)
+        self.optimizer.found_inf = skip.to(torch.float32).reshape(())
         try:
             super().step(lr)
         finally:

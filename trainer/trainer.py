@@ -21,7 +21,7 @@ import torch
 from omegaconf import OmegaConf
 
 from core.comm import Collectives, all_reduce_bytes
-from core.distributed import DistEnv, barrier, init_distributed, on_main, shutdown
+from core.distributed import DistEnv, barrier, init_distributed, on_main, runtime_summary, shutdown
 from trainer.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint, read_meta
 from trainer.config import Config, ConfigError, accumulation_steps, to_config
 from trainer.metrics import MetricsLogger, MetricsProcessor
@@ -174,6 +174,7 @@ class Trainer:
 
     def _announce(self) -> None:
         t, env = self.cfg.train, self.env
+        print(runtime_summary(env, t.device), flush=True)
         print(f"run {self.cfg.run_name}: {self.n_params:,} parameters on rank 0 ({self.full_params:,} in the full "
               f"model), {self.flops_per_token / 1e6:.1f} MFLOP/token, {env.world_size} rank(s) x {self.accum} "
               f"micro-batch(es) of {t.micro_batch_size} x {self.cfg.model.seq_len} tokens, {self.total_steps} "
