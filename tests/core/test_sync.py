@@ -73,3 +73,31 @@ def test_ddp_refuses_a_forward_that_bypasses_the_wrapper():
 def test_grad_sync_names_its_choices():
     with pytest.raises(ValueError, match="optimizer.grad_sync must be ddp or after_backward"):
         DenseAllReduce(make_model(), _optimizer("adamw"), grad_sync="overlap")
+
+
+def _body_device_skip(rank: int, world: int) -> None:
+    """A non-finite loss on one rank: both ranks skip the fused AdamW update on the device, without
+    the loop reading the flag, and the optimizer's step count does not advance."""
+    from trainer.step import train_step
+
+    model = make_model()
+    sync = DenseAllReduce(model, lambda ps: torch.optim.AdamW(param_groups(ps, 0.1), lr=1e-2, fused=True),
+                          grad_sync="ddp")
+    assert sync.skips_on_device
+    micro = iter([batch(rank, 1)])
+    train_step(sync.train_module, sync, micro, 1, 1e-2, 0.5, sync.comm, 2).read()
+    before = [p.detach().clone() for p in model.parameters()]
+    steps_before = [sync.optimizer.state[p]["step"].clone() for p in model.parameters()]
+    x, y = batch(rank, 2)
+    if rank == 1:
+        x = x * float("nan")
+    result = train_step(sync.train_module, sync, iter([(x, y)]), 1, 1e-2, 0.5, sync.comm, 2)
+    assert result.nonfinite and result.grad_norm != result.grad_norm  # NaN: skipped before any use
+    for p, b, s in zip(model.parameters(), before, steps_before):
+        assert torch.equal(p.detach(), b) and torch.equal(sync.optimizer.state[p]["step"], s)
+    result = train_step(sync.train_module, sync, iter([batch(rank, 3)]), 1, 1e-2, 0.5, sync.comm, 2)
+    assert not result.nonfinite and all(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+
+
+def test_fused_adamw_skips_a_nonfinite_step_on_the_device():
+    run_distributed(_body_device_skip, world_size=2)
