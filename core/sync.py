@@ -80,10 +80,11 @@ class GradientSynchronizer:
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in self.params]))
 
     @property
-    def skips_on_device(self) -> bool:
-        """True when ``step(lr, skip)`` can skip a non-finite step on the device, so the loop runs
-        the reduction and the (no-op) update without reading the flag on the host. Otherwise the
-        loop reads the control flags once per step and skips ``reduce_gradients`` and ``step``."""
+    def takes_skip_flag(self) -> bool:
+        """True when ``step(lr, skip)`` takes the skip decision as a device tensor: the loop then
+        runs the reduction and the clip unconditionally and never reads the flag itself. False:
+        the loop reads the control flags on the host and skips ``reduce_gradients`` and ``step``
+        (what SCAPE and SDP need: a skipped step must leave their bookkeeping untouched)."""
         return False
 
     def step(self, lr: float) -> None:
@@ -166,8 +167,8 @@ class DenseAllReduce(GradientSynchronizer):
 
     Both count their bytes on ``comm`` under ``grad_allreduce`` (DDP through a comm hook) and
     divide the sum by the world size after the all-reduce, so on 2 ranks they agree bit for bit.
-    Both can skip a non-finite step on the device (``step(lr, skip)``) when the optimizer takes
-    a ``found_inf`` flag (torch's fused AdamW), so the loop need not read the flag on the host.
+    Both take the skip decision in ``step(lr, skip)`` and skip on the device when the optimizer
+    takes a ``found_inf`` flag (torch's fused AdamW), so the loop need not read the flag on the host.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer_factory: Callable[[List[torch.nn.Parameter]],
@@ -216,14 +217,19 @@ class DenseAllReduce(GradientSynchronizer):
             self.comm.all_reduce(self.flat.grad, kind="grad_allreduce")
             self.flat.grad.div_(self.world)
 
+    takes_skip_flag = True
+
     @property
     def skips_on_device(self) -> bool:
+        """The optimizer takes a ``found_inf`` flag (torch's fused AdamW): no host read at all."""
         return bool(self.optimizer.defaults.get("fused"))
 
     def step(self, lr: float, skip: Optional[torch.Tensor] = None) -> None:
         """The update; ``skip`` (a bool tensor alike on every rank) turns it into a no-op on the
         device for fused optimizers (torch's ``found_inf``, as GradScaler uses it: the step count is
-        not advanced either), and is read on the host otherwise."""
+        not advanced either). Otherwise it is read on the host here: one read per step, of a flag
+        already reduced, after the reduction and the clip are queued (AdamS keeps its step count on
+        the host for the bias correction, so it must know)."""
         if skip is None or not self.skips_on_device:
             if skip is None or not bool(skip):
                 super().step(lr)

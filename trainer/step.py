@@ -18,12 +18,12 @@ which waits for this step's end only; the Trainer reads a step's result one step
 GPU is already busy with the next one), and at once only on log steps.
 
 Every rank decides alike whether to skip a non-finite step, from the all-reduced control flag and
-the replicated gradient norm. Where the synchroniser can skip on the device
-(``sync.skips_on_device``: the dense arms with torch's fused AdamW) the loop never reads the flag
-on the host: it runs the reduction and passes the flag to ``sync.step``, a no-op on the device when
-set. Otherwise (AdamS, SCAPE, SDP, whose updates or bookkeeping are decided on the host) the loop
-reads the control flags once per step, after the control all-reduce, and skips the reduction and
-the update on the host as before; a skipped reduction also keeps SCAPE's residual unpolluted.
+the replicated gradient norm. The dense arms take that decision as a device tensor
+(``sync.takes_skip_flag``): the loop runs the reduction and the clip and passes the flag to
+``sync.step``, which with torch's fused AdamW skips on the device (no host read at all) and with
+AdamS reads it once (AdamS's bias correction needs its step count on the host). SCAPE and SDP
+keep bookkeeping that a skipped step must not touch (SCAPE's residual), so for them the loop reads
+the control flags after the control all-reduce and skips the reduction and the update itself.
 """
 from __future__ import annotations
 
@@ -154,11 +154,13 @@ def train_step(model: torch.nn.Module, sync: GradientSynchronizer, batches: Iter
     control = torch.stack([loss_sum.double(), (~torch.isfinite(loss_sum)).double(),
                            torch.full((), float(stop_requested), dtype=torch.float64, device=device)])
     work = comm.all_reduce(control, kind="control", async_op=True)
-    if sync.skips_on_device:
+    if sync.takes_skip_flag:
         hook("before_reduce")
-        sync.reduce_gradients()
-        if work is not None:
-            work.wait()  # on NCCL the stream waits, not the host
+        try:
+            sync.reduce_gradients()
+        finally:  # never leave the control all-reduce pending (an error here ends the process group)
+            if work is not None:
+                work.wait()  # on NCCL the stream waits, not the host
         clock.mark("comm")
         hook("after_reduce")
         norm = _scalar(sync.clip_gradients(grad_clip), device)

@@ -47,7 +47,7 @@ def _body(rank: int, world: int, cache: str, out_dir: str) -> None:
     cfg = to_config(cfg)
     trainer.parts.build_optimizer = _fused_adamw  # the CUDA arm's optimizer, on the CPU
     run = Trainer(cfg, init_distributed(cfg.train.device, cfg.train.dist_timeout_s)).build()
-    assert run.sync.skips_on_device and run.sync.ddp is not None
+    assert run.sync.takes_skip_flag and run.sync.skips_on_device and run.sync.ddp is not None
 
     counts = defaultdict(int)  # step -> host reads outside the allowed places
     where = {}  # step -> the first such read's stack, for the failure message
