@@ -125,6 +125,8 @@ def _forward_backward(model: torch.nn.Module, sync: GradientSynchronizer, batche
     for micro in range(accum):
         td = time.perf_counter()
         x, y = next(batches)
+        if device.type == "cuda" and not x.is_cuda:  # from pageable memory the copy would wait for the GPU
+            x, y = x.pin_memory(), y.pin_memory()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         t_data += time.perf_counter() - td
         with sync.micro_batch_context(last=micro == accum - 1):
