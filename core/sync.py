@@ -187,7 +187,7 @@ class DenseAllReduce(GradientSynchronizer):
         self._buckets_reduced = 0
         if grad_sync == "ddp" and self.world > 1:
             # The models' buffers (RoPE tables) are deterministic: no broadcast before each forward
-            # (the key's name since torch 2.13; broadcast_buffers before, deprecated since).
+            # (forward_sync_buffers in newer torch, which deprecates broadcast_buffers).
             no_buffer_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(
                 DistributedDataParallel.__init__).parameters else {"broadcast_buffers": False}
             self.ddp = DistributedDataParallel(model, gradient_as_bucket_view=True, **no_buffer_sync)
