@@ -7,7 +7,7 @@ update |m_t / c| / denom is bounded, which is what lets SCAPE feed it sparse, st
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -31,34 +31,47 @@ class DenseOptimizerConfig:
     # true: each rank keeps the optimizer state of its 1/N of the flat parameters (ZeRO-1 for
     # adamw/adams, core/zero.py; sharded SCAPE, scape/sharded.py)
     shard: bool = False
+    grad_sync: str = "ddp"  # core.sync.GradSync, the dense arms: ddp (overlapped) | after_backward
 
 
-def build_optimizer(params: List[torch.nn.Parameter], cfg: Any) -> torch.optim.Optimizer:
+# A fused element-wise AdamS over one contiguous 1-D buffer (scape.kernels.adams_dense_update's
+# signature): (param, momentum, grad, lr, beta1, beta2, eps, bias_correction, weight_decay, decay_end).
+AdamSKernel = Callable[..., None]
+
+
+def build_optimizer(params: List[torch.nn.Parameter], cfg: Any,
+                    adams_kernel: Optional[AdamSKernel] = None) -> torch.optim.Optimizer:
     """A dense optimizer over ``params``: AdamW (torch's) or AdamS, weight decay on matrices only.
 
-    ``cfg`` is anything with the fields of ``DenseOptimizerConfig``."""
-    return optimizer_for_groups(param_groups(params, cfg.weight_decay), cfg)
+    ``cfg`` is anything with the fields of ``DenseOptimizerConfig``. On CUDA AdamW is torch's fused
+    one (one kernel for all tensors; it also skips a non-finite step on the device) and AdamS runs
+    ``adams_kernel`` (the layer above passes SCAPE's Triton kernel) once per tensor."""
+    return optimizer_for_groups(param_groups(params, cfg.weight_decay), cfg, adams_kernel)
 
 
-def optimizer_for_groups(groups: List[Dict[str, Any]], cfg: Any) -> torch.optim.Optimizer:
+def optimizer_for_groups(groups: List[Dict[str, Any]], cfg: Any,
+                         adams_kernel: Optional[AdamSKernel] = None) -> torch.optim.Optimizer:
     """``build_optimizer`` on param groups that carry their own weight decay (ZeRO-1's shard
     pieces are flat, so the ndim rule cannot be read off them)."""
     betas = (float(cfg.betas[0]), float(cfg.betas[1]))
+    cuda = any(p.is_cuda for group in groups for p in group["params"])
     if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, fused=True if cuda else None)
     if cfg.name == "adams":
-        return AdamS(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
+        return AdamS(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, kernel=adams_kernel if cuda else None)
     raise ValueError(f"optimizer.name={cfg.name!r} has no dense optimizer; choose adamw or adams")
 
 
 class AdamS(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8, weight_decay: float = 0.1) -> None:
+                 eps: float = 1e-8, weight_decay: float = 0.1, kernel: Optional[AdamSKernel] = None) -> None:
         if lr < 0:
             raise ValueError(f"optimizer.lr must be >= 0, got {lr}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"optimizer.betas must lie in [0, 1), got {tuple(betas)}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        # the fused kernel, or None for the PyTorch reference below (CPU; the numerics the tests pin)
+        self.kernel = kernel
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -77,7 +90,12 @@ class AdamS(torch.optim.Optimizer):
                     state["step"] = torch.zeros((), dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
-                adams_update_(p, p.grad, state["exp_avg"], int(state["step"].item()), lr, b1, b2, eps, wd)
+                step = int(state["step"].item())  # a CPU tensor (torch's convention): no device sync
+                if self.kernel is not None:
+                    self.kernel(p.view(-1), state["exp_avg"].view(-1), p.grad.view(-1), lr, b1, b2, eps,
+                                1.0 - b1 ** step, wd, p.numel() if wd != 0.0 else 0)
+                else:
+                    adams_update_(p, p.grad, state["exp_avg"], step, lr, b1, b2, eps, wd)
         return loss
 
 

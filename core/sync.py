@@ -5,7 +5,8 @@ and the Trainer does not know which one runs. A synchroniser owns the optimizer 
 SCAPE's communication and update are one algorithm (its mask comes from the momentum) and SDP
 keeps optimizer state only for held parameters.
 
-The step (trainer/step.py) calls, once per optimizer step, after the micro-batches' backward passes:
+The step (trainer/step.py) runs each micro-batch's forward (through ``sync.train_module``) and
+backward inside ``sync.micro_batch_context(last)``, then calls, once per optimizer step:
 
     sync.reduce_gradients()          # the collective(s); timed as communication
     norm = sync.clip_gradients(max)  # returns the pre-clip global norm
@@ -25,11 +26,14 @@ up by name with ``synchronizer_builder``.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
+import inspect
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Literal, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
+from core.choices import check_choice
 from core.comm import Collectives
 from core.flat import FlatParameters
 
@@ -48,6 +52,9 @@ class GradientSynchronizer:
         self.optimizer = optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.comm = comm if comm is not None else Collectives()
+        # The module the step's forward calls: the model, or a wrapper whose backward hooks
+        # communicate (DDP); the Trainer compiles this one.
+        self.train_module: torch.nn.Module = model
 
     # --- the step ------------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -65,12 +72,21 @@ class GradientSynchronizer:
     def reduce_gradients(self) -> None:
         raise NotImplementedError
 
-    def clip_gradients(self, max_norm: float) -> float:
-        """Global L2 norm of the (already reduced, hence replicated) gradients; clip if max_norm > 0."""
+    def clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """Global L2 norm of the (already reduced, hence replicated) gradients; clip if max_norm > 0.
+
+        Returned as a tensor on the device (no host read); the step reads it at log steps only."""
         if max_norm > 0:
-            return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        return float(torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(p.grad) for p in self.params])))
+            return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in self.params]))
+
+    @property
+    def takes_skip_flag(self) -> bool:
+        """True when ``step(lr, skip)`` takes the skip decision as a device tensor: the loop then
+        runs the reduction and the clip unconditionally and never reads the flag itself. False:
+        the loop reads the control flags on the host and skips ``reduce_gradients`` and ``step``
+        (what SCAPE and SDP need: a skipped step must leave their bookkeeping untouched)."""
+        return False
 
     def step(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -155,27 +171,104 @@ class GradientSynchronizer:
             self.model.load_state_dict(state)
 
 
-class DenseAllReduce(GradientSynchronizer):
-    """Data parallelism as DDP does it: the mean gradient over all ranks, one flat collective.
+GradSync = Literal["ddp", "after_backward"]  # optimizer.grad_sync: how the dense arms all-reduce
 
-    The all-reduce runs after the last micro-batch's backward (not overlapped with it) so that
-    communication time is measured on its own and compares like for like with SCAPE and SDP.
+
+class DenseAllReduce(GradientSynchronizer):
+    """Data parallelism: the mean gradient over all ranks, in one of two ways (``grad_sync``).
+
+    - ``ddp``: torch's DistributedDataParallel, the baseline users run: buckets are all-reduced as
+      their gradients become final during the last micro-batch's backward (``no_sync`` on the
+      earlier ones), gradients live in DDP's buckets (``gradient_as_bucket_view``). The step's
+      forward must go through ``train_module`` (the DDP wrapper), or nothing is reduced.
+    - ``after_backward``: one flat all-reduce after the last micro-batch's backward, so that
+      communication is timed on its own and compares like for like with SCAPE and SDP.
+
+    Both count their bytes on ``comm`` under ``grad_allreduce`` (DDP through a comm hook) and
+    divide the sum by the world size after the all-reduce, so on 2 ranks they agree bit for bit.
+    Both take the skip decision in ``step(lr, skip)`` and skip on the device when the optimizer
+    takes a ``found_inf`` flag (torch's fused AdamW), so the loop need not read the flag on the host.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer_factory: Callable[[List[torch.nn.Parameter]],
-                 torch.optim.Optimizer], comm: Optional[Collectives] = None) -> None:
+                 torch.optim.Optimizer], comm: Optional[Collectives] = None,
+                 grad_sync: str = "after_backward") -> None:
+        check_choice("optimizer.grad_sync", grad_sync, GradSync)
         params = [p for p in model.parameters() if p.requires_grad]
-        self.flat = FlatParameters(params)
-        super().__init__(model, optimizer_factory(params), comm)
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.grad_sync = grad_sync
+        self.ddp: Optional[DistributedDataParallel] = None
+        self.flat: Optional[FlatParameters] = None
+        if grad_sync == "after_backward":
+            self.flat = FlatParameters(params)
+        super().__init__(model, optimizer_factory(params), comm)
+        self.train_module = model
+        self._buckets_reduced = 0
+        if grad_sync == "ddp" and self.world > 1:
+            # The models' buffers (RoPE tables) are deterministic: no broadcast before each forward
+            # (forward_sync_buffers in newer torch, which deprecates broadcast_buffers).
+            no_buffer_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(
+                DistributedDataParallel.__init__).parameters else {"broadcast_buffers": False}
+            self.ddp = DistributedDataParallel(model, gradient_as_bucket_view=True, **no_buffer_sync)
+            self.ddp.register_comm_hook(self, _counted_allreduce_hook)
+            self.train_module = self.ddp
 
     def zero_grad(self) -> None:
-        self.flat.zero_grad()
+        if self.flat is not None:
+            self.flat.zero_grad()
+        else:  # DDP's bucket views: zeroed in place, never replaced
+            self.optimizer.zero_grad(set_to_none=False)
+
+    def micro_batch_context(self, last: bool) -> ContextManager:
+        if self.ddp is not None and not last:
+            return self.ddp.no_sync()
+        return contextlib.nullcontext()
 
     def reduce_gradients(self) -> None:
+        if self.ddp is not None:  # reduced during backward; DDP waited for its buckets at its end
+            if self._buckets_reduced == 0:
+                raise RuntimeError("optimizer.grad_sync=ddp: no gradient bucket was all-reduced in this step; the "
+                                   "forward must call sync.train_module (the DistributedDataParallel wrapper), "
+                                   "not sync.model")
+            self._buckets_reduced = 0
+            return
         if self.world > 1:
             self.comm.all_reduce(self.flat.grad, kind="grad_allreduce")
             self.flat.grad.div_(self.world)
+
+    takes_skip_flag = True
+
+    @property
+    def skips_on_device(self) -> bool:
+        """The optimizer takes a ``found_inf`` flag (torch's fused AdamW): no host read at all."""
+        return bool(self.optimizer.defaults.get("fused"))
+
+    def step(self, lr: float, skip: Optional[torch.Tensor] = None) -> None:
+        """The update; ``skip`` (a bool tensor alike on every rank) turns it into a no-op on the
+        device for fused optimizers (torch's ``found_inf``, as GradScaler uses it: the step count is
+        not advanced either). Otherwise it is read on the host here: one read per step, of a flag
+        already reduced, after the reduction and the clip are queued (AdamS keeps its step count on
+        the host for the bias correction, so it must know)."""
+        if skip is None or not self.skips_on_device:
+            if skip is None or not bool(skip):
+                super().step(lr)
+            return
+        self.optimizer.found_inf = skip.to(torch.float32).reshape(())
+        try:
+            super().step(lr)
+        finally:
+            del self.optimizer.found_inf
+
+
+def _counted_allreduce_hook(sync, bucket):
+    """DDP's all-reduce of one ``dist.GradBucket`` through ``sync.comm`` (so its bytes are counted),
+    summed then divided by the world size like the after-backward mode; returns DDP's future.
+    (No annotations: DDP checks them against the classes, and this module's are strings.)"""
+    buffer = bucket.buffer()
+    sync._buckets_reduced += 1
+    work = sync.comm.all_reduce(buffer, kind="grad_allreduce", async_op=True)
+    world = sync.world
+    return work.get_future().then(lambda fut: fut.value()[0].div_(world))
 
 
 # A builder takes (run config, device, collectives) and returns the synchroniser; its model is

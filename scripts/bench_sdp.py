@@ -162,7 +162,8 @@ def _measure(rank: int, world: int, case: Dict[str, Any], cfg: ModelConfig, args
         sync.comm.counter.reset()
         x = torch.randint(0, cfg.vocab_size, (args["micro_batch"], cfg.seq_len + 1), generator=gen).to(device)
         t0 = time.perf_counter()
-        train_step(model, sync, iter([(x[:, :-1], x[:, 1:])]), 1, 1e-3, 1.0, sync.comm, world, device=device)
+        # read(): wait for the step's end (the step itself does not wait for the GPU)
+        train_step(model, sync, iter([(x[:, :-1], x[:, 1:])]), 1, 1e-3, 1.0, sync.comm, world, device=device).read()
         times.append(time.perf_counter() - t0)
         # the gradient synchroniser's bytes; the trainer's 24-byte control all-reduce aside
         step_bytes.append({k: v for k, v in sync.comm.counter.bytes.items() if k != "control"})

@@ -22,7 +22,9 @@
 # "ignore" once installed).
 #
 # Settings (environment; the batch scripts set the site-specific defaults):
-#   SCAPE_CPU=1              CPU mode: no modules, no GPUs, gloo, train.device=cpu
+#   SCAPE_CPU=1              CPU mode: no modules, no GPUs, gloo, train.device=cpu (GPU mode
+#                            passes train.device=cuda and sets NCCL's error handling and
+#                            dump-on-timeout variables, see scape__nccl_env)
 #   SCAPE_NPROC_PER_NODE     processes per node (CPU mode default 2; GPU mode: GPUs per node)
 #   SCAPE_GPUS_PER_NODE      GPUs per node in GPU mode (vista.sh: 1)
 #   SCAPE_VENV               virtual environment to activate (default: $SCAPE_ROOT/.venv if it
@@ -136,6 +138,20 @@ scape__signal_workers() {
 
 # ---------------------------------------------------------------------------------------------
 # Role 1 helpers (batch shell).
+
+# NCCL diagnostics for GPU jobs, each overridable from the environment: a failed or hung NCCL
+# collective tears the process down with an error instead of hanging (async error handling),
+# and on a watchdog timeout every rank dumps its last collectives (the flight recorder) to
+# TORCH_NCCL_DEBUG_INFO_TEMP_FILE<rank> in the run's folder for `python -m torch.distributed.flight_recorder`.
+# NCCL_DEBUG=WARN prints NCCL's own reason for a failure; NCCL_DEBUG=INFO shows the transport
+# (InfiniBand, GPUDirect: docs/CLUSTER.md).
+scape__nccl_env() {
+    export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+    export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+    export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
+    export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+    scape__log "NCCL: async error handling, dump on timeout (trace buffer $TORCH_NCCL_TRACE_BUFFER_SIZE), NCCL_DEBUG=$NCCL_DEBUG"
+}
 
 # Value of KEY=... among the Hydra overrides, if the user gave it (last one wins, as in Hydra).
 scape__override_value() {
@@ -293,6 +309,10 @@ scape_launch() {
     else
         if declare -F scape_site_setup >/dev/null; then scape_site_setup; fi
         nproc=${SCAPE_NPROC_PER_NODE:-${SCAPE_GPUS_PER_NODE:-1}}
+        # A GPU job trains on the GPU or fails at start (a CPU-only torch wheel must not fall
+        # back to the CPU and gloo for the whole allocation).
+        scape__has_override train.device "$@" || extra+=(train.device=cuda)
+        scape__nccl_env
     fi
     scape__activate_venv
 
@@ -333,6 +353,9 @@ scape_launch() {
     scape__log "train.py ${extra[*]} $*"
     mkdir -p "$run_dir"
     echo "$(date -Is) job=$SLURM_JOB_ID restart=$restart nodes=$SLURM_JOB_NODELIST start" >>"$run_dir/slurm_jobs.log"
+    if [[ ${SCAPE_CPU:-0} != 1 ]]; then
+        export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$run_dir/nccl_trace_rank_}
+    fi
 
     if ((SCAPE_STOP_REQUESTED)); then
         scape__continue_later

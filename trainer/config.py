@@ -17,6 +17,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from core.choices import check_choice
+from core.sync import GradSync
 from data.config import DataConfig, TokenizerConfig
 from models.config import ModelConfig
 from scape.config import OptimizerConfig
@@ -93,6 +94,7 @@ class LoggerConfig:
 def check_schedule(o: Any) -> None:
     """The optimizer keys the Trainer itself reads: the learning-rate schedule and clipping."""
     check_choice("optimizer.name", o.name, OptimizerName, "{key} must be one of {joined}, got {value!r}")
+    check_choice("optimizer.grad_sync", o.grad_sync, GradSync)
     _non_negative("optimizer.warmup_steps", o.warmup_steps)
     if not (o.lr > 0 and math.isfinite(o.lr)):
         raise ConfigError(f"optimizer.lr must be a positive number, got {o.lr}")

@@ -20,8 +20,11 @@ from core.sync import DenseAllReduce, GradientSynchronizer, register_synchronize
 def _build_dense(cfg: Any, device: torch.device, comm: Collectives) -> DenseAllReduce:
     from models import build_model
 
+    from scape import kernels
+
     model = build_model(cfg.model, device=device)
-    return DenseAllReduce(model, lambda params: build_optimizer(params, cfg.optimizer), comm)
+    return DenseAllReduce(model, lambda params: build_optimizer(params, cfg.optimizer, kernels.adams_dense_update),
+                          comm, grad_sync=cfg.optimizer.grad_sync)
 
 
 def _build_dense_sharded(cfg: Any, device: torch.device, comm: Collectives) -> ZeroDenseSynchronizer:

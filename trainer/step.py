@@ -2,21 +2,35 @@
 
 nanoGPT's order with the synchroniser as the one place where gradients cross ranks:
 
-    micro-batches: forward, backward (loss / accum)   -> perf/time_data_s, perf/time_fwd_bwd_s
+    micro-batches: forward (through sync.train_module), backward (loss / accum)
                    each inside sync.micro_batch_context(last=...) (where overlapped comm starts)
-    control all-reduce: mean loss, non-finite flag, stop request (every rank decides alike)
-    sync.reduce_gradients()                           -> perf/time_comm_s (with the control)
+                                                      -> perf/time_data_s, perf/time_fwd_bwd_s
+    control all-reduce, started asynchronously: mean loss, non-finite flag, stop request
+    sync.reduce_gradients()                           -> perf/time_comm_s (with the control wait)
     norm = sync.clip_gradients(max)                   # a non-finite norm skips the update
     sync.step(lr); sync.after_step()                  -> perf/time_opt_s
     sync.zero_grad()
+
+No device-wide synchronisation: the time split is taken with CUDA events on the GPU, and the
+step's numbers (losses, norm, flags) stay on the device in one small tensor that is copied to
+pinned host memory behind an event at the end of the step. ``StepResult`` reads it on first use,
+which waits for this step's end only; the Trainer reads a step's result one step late (when the
+GPU is already busy with the next one), and at once only on log steps.
+
+Every rank decides alike whether to skip a non-finite step, from the all-reduced control flag and
+the replicated gradient norm. The dense arms take that decision as a device tensor
+(``sync.takes_skip_flag``): the loop runs the reduction and the clip and passes the flag to
+``sync.step``, which with torch's fused AdamW skips on the device (no host read at all) and with
+AdamS reads it once (AdamS's bias correction needs its step count on the host). SCAPE and SDP
+keep bookkeeping that a skipped step must not touch (SCAPE's residual), so for them the loop reads
+the control flags after the control all-reduce and skips the reduction and the update itself.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import time
-from dataclasses import dataclass
-from typing import Callable, ContextManager, Iterator, Optional, Tuple
+from typing import Callable, ContextManager, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -27,24 +41,81 @@ Batch = Tuple[torch.Tensor, torch.Tensor]
 # Observers of the stages ("before_reduce", "after_reduce", "after_step"), for tests.
 StageHook = Callable[[str], None]
 
+_FIELDS = ("loss", "local_loss", "grad_norm", "nonfinite", "stop_requested")
 
-@dataclass
+
+class StepClock:
+    """Marks of one step's stages: CUDA events on the GPU (recorded on the stream, so nothing
+    waits until a time is read), the host clock on the CPU (where every op is synchronous)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: Dict[str, Union[float, "torch.cuda.Event"]] = {}
+
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks[name] = event
+        else:
+            self.marks[name] = time.perf_counter()
+
+    def seconds(self, start: str, stop: str) -> float:
+        """Time from mark ``start`` to mark ``stop`` (waits for ``stop``'s event on CUDA)."""
+        if self.cuda:
+            self.marks[stop].synchronize()
+            return self.marks[start].elapsed_time(self.marks[stop]) / 1e3
+        return self.marks[stop] - self.marks[start]
+
+
 class StepResult:
-    loss: float  # mean over ranks and micro-batches
-    local_loss: float  # this rank's mean over its micro-batches
-    grad_norm: float  # before clipping; NaN when the step was skipped before the reduction
-    nonfinite: bool  # the update was skipped (non-finite loss or gradient on some rank)
-    stop_requested: bool  # some rank asked to stop (a signal)
-    time_data: float
-    time_fwd_bwd: float
-    time_comm: float
-    time_opt: float
-    time_step: float
+    """One step's outcome; its numbers are read from the device on first use, then kept.
+
+    loss: mean over ranks and micro-batches; local_loss: this rank's mean; grad_norm: before
+    clipping, NaN when the step was skipped before the reduction; nonfinite: the update was
+    skipped (non-finite loss or gradient on some rank); stop_requested: some rank asked to stop.
+    time_*: seconds (data is the host's time to fetch batches, inside the forward/backward span).
+    """
+
+    def __init__(self, values: torch.Tensor, clock: StepClock, time_data: float) -> None:
+        self._clock, self.time_data = clock, time_data
+        self._event = None
+        if values.is_cuda:  # behind an event: reading it later waits for this step's end only
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = values
+        self._values: Optional[List[float]] = None
+
+    def read(self) -> "StepResult":
+        """Bring the numbers to the host (waits for this step's end, not for later work)."""
+        if self._values is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._values = self._host.tolist()
+        return self
+
+    def _value(self, name: str) -> float:
+        return self.read()._values[_FIELDS.index(name)]
+
+    loss = property(lambda self: self._value("loss"))
+    local_loss = property(lambda self: self._value("local_loss"))
+    grad_norm = property(lambda self: self._value("grad_norm"))
+    nonfinite = property(lambda self: self._value("nonfinite") > 0)
+    stop_requested = property(lambda self: self._value("stop_requested") > 0)
+    time_fwd_bwd = property(lambda self: max(0.0, self._clock.seconds("start", "fwd_bwd") - self.time_data))
+    time_comm = property(lambda self: self._clock.seconds("fwd_bwd", "comm"))
+    time_opt = property(lambda self: self._clock.seconds("comm", "end"))
+    time_step = property(lambda self: self._clock.seconds("start", "end"))
 
 
-def device_sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _scalar(value: Union[float, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A 0-dim float64 tensor on ``device`` without a blocking host-to-device copy."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(torch.float64).reshape(())
+    return torch.full((), float(value), dtype=torch.float64, device=device)
 
 
 def _forward_backward(model: torch.nn.Module, sync: GradientSynchronizer, batches: Iterator[Batch], accum: int,
@@ -54,6 +125,8 @@ def _forward_backward(model: torch.nn.Module, sync: GradientSynchronizer, batche
     for micro in range(accum):
         td = time.perf_counter()
         x, y = next(batches)
+        if device.type == "cuda" and not x.is_cuda:  # from pageable memory the copy would wait for the GPU
+            x, y = x.pin_memory(), y.pin_memory()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         t_data += time.perf_counter() - td
         with sync.micro_batch_context(last=micro == accum - 1):
@@ -70,37 +143,55 @@ def train_step(model: torch.nn.Module, sync: GradientSynchronizer, batches: Iter
                device: Optional[torch.device] = None, hook: Optional[StageHook] = None) -> StepResult:
     """Run one optimizer step of ``sync`` on ``accum`` micro-batches from ``batches``.
 
-    ``world_size`` turns the summed control values into means; ``device`` defaults to the model's.
+    ``model`` is the module the forward calls: ``sync.train_module`` or a compiled version of it
+    (for DDP the wrapper, whose backward hooks all-reduce). ``world_size`` turns the summed
+    control values into means; ``device`` defaults to the model's.
     """
     hook = hook or (lambda stage: None)
     device = device if device is not None else next(model.parameters()).device
-    device_sync(device)
-    t0 = time.perf_counter()
+    clock = StepClock(device)
+    clock.mark("start")
     loss_sum, t_data = _forward_backward(model, sync, batches, accum, device, autocast)
-    device_sync(device)
-    t1 = time.perf_counter()
-    control = torch.stack([loss_sum.float(), (~torch.isfinite(loss_sum)).float(),
-                           torch.tensor(float(stop_requested), device=device)]).double()
-    comm.all_reduce(control, kind="control")
-    mean_loss, nonfinite, stop = control[0].item() / world_size, control[1].item() > 0, control[2].item() > 0
-    sync_time = time.perf_counter() - t1
-    grad_norm = float("nan")
-    if not nonfinite:
+    clock.mark("fwd_bwd")
+    control = torch.stack([loss_sum.double(), (~torch.isfinite(loss_sum)).double(),
+                           torch.full((), float(stop_requested), dtype=torch.float64, device=device)])
+    work = comm.all_reduce(control, kind="control", async_op=True)
+    if sync.takes_skip_flag:
         hook("before_reduce")
-        tc = time.perf_counter()
-        sync.reduce_gradients()
-        device_sync(device)
-        sync_time += time.perf_counter() - tc
+        try:
+            sync.reduce_gradients()
+        finally:  # never leave the control all-reduce pending (an error here ends the process group)
+            if work is not None:
+                work.wait()  # on NCCL the stream waits, not the host
+        clock.mark("comm")
         hook("after_reduce")
-        grad_norm = sync.clip_gradients(grad_clip)
-        nonfinite = not math.isfinite(grad_norm)
-        if not nonfinite:
-            sync.step(lr)
-            sync.after_step()
-            hook("after_step")
-        device_sync(device)
-    t3 = time.perf_counter()
+        norm = _scalar(sync.clip_gradients(grad_clip), device)
+        skip = (control[1] > 0) | ~torch.isfinite(norm)
+        sync.step(lr, skip=skip)
+        sync.after_step()
+        hook("after_step")
+        grad_norm = torch.where(control[1] > 0, torch.full_like(norm, math.nan), norm)
+    else:
+        if work is not None:
+            work.wait()
+        loss_nonfinite = bool(control[1] > 0)  # the one host read of this path, see the module doc
+        grad_norm, skip = torch.full((), math.nan, dtype=torch.float64, device=device), loss_nonfinite
+        if not loss_nonfinite:
+            hook("before_reduce")
+            sync.reduce_gradients()
+        clock.mark("comm")
+        if not loss_nonfinite:
+            hook("after_reduce")
+            norm = sync.clip_gradients(grad_clip)
+            grad_norm = _scalar(norm, device)
+            skip = not math.isfinite(float(norm))
+            if not skip:
+                sync.step(lr)
+                sync.after_step()
+                hook("after_step")
+        skip = torch.full((), float(skip), dtype=torch.float64, device=device)
+    clock.mark("end")
     sync.zero_grad()
-    return StepResult(loss=mean_loss, local_loss=float(loss_sum), grad_norm=grad_norm, nonfinite=nonfinite,
-                      stop_requested=stop, time_data=t_data, time_fwd_bwd=t1 - t0 - t_data, time_comm=sync_time,
-                      time_opt=t3 - t1 - sync_time, time_step=t3 - t0)
+    values = torch.stack([control[0] / world_size, loss_sum.double(), grad_norm, skip.double(),
+                          (control[2] > 0).double()])
+    return StepResult(values, clock, t_data)

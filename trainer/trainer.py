@@ -15,13 +15,13 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from omegaconf import OmegaConf
 
 from core.comm import Collectives, all_reduce_bytes
-from core.distributed import DistEnv, barrier, init_distributed, on_main, shutdown
+from core.distributed import DistEnv, barrier, init_distributed, on_main, runtime_summary, shutdown
 from trainer.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint, read_meta, tokens_consumed
 from trainer.config import Config, ConfigError, accumulation_steps, to_config
 from trainer.metrics import MetricsLogger, MetricsProcessor
@@ -135,7 +135,8 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, self.sync.compute_spec())
         if t.activation_checkpointing:
             self.model.set_activation_checkpointing(True)
-        self.train_model = torch.compile(self.model) if t.compile else self.model
+        # the forward goes through the synchroniser's module (DDP's wrapper for the dense arms)
+        self.train_model = torch.compile(self.sync.train_module) if t.compile else self.sync.train_module
         device = self.env.device
         use_bf16 = t.precision == "bf16" or (t.precision == "auto" and device.type == "cuda")
         self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 \
@@ -175,6 +176,7 @@ class Trainer:
 
     def _announce(self) -> None:
         t, env = self.cfg.train, self.env
+        print(runtime_summary(env, t.device), flush=True)
         print(f"run {self.cfg.run_name}: {self.n_params:,} parameters on rank 0 ({self.full_params:,} in the full "
               f"model), {self.flops_per_token / 1e6:.1f} MFLOP/token, {env.world_size} rank(s) x {self.accum} "
               f"micro-batch(es) of {t.micro_batch_size} x {self.cfg.model.seq_len} tokens, {self.total_steps} "
@@ -222,26 +224,45 @@ class Trainer:
                           self.env.world_size, self.autocast, self.stop.requested, self.env.device)
 
     def train(self) -> Dict[str, Any]:
-        """Run the steps from the start (or the resumed checkpoint) to the budget or a stop."""
+        """Run the steps from the start (or the resumed checkpoint) to the budget or a stop.
+
+        A step's result (loss, flags) is read one step late, once the next step is queued, so the
+        GPU never waits for the host between log steps (trainer/step.py); it is read at once on
+        the steps that need it: log steps, checkpoint steps, the last one and a stop. Every rank
+        reads at the same steps, so they agree on skips and stops.
+        """
         t, state = self.cfg.train, "completed"
         self.t_start = time.time()
         self.sync.zero_grad()
         self.model.train()
+        unread: Optional[Tuple[int, StepResult]] = None  # the previous step, not yet read
+        stop_seen = False
         for step in range(self.start_step + 1, self.total_steps + 1):
             self.step = step
             result = self.train_step(step)
-            if self.guard.update(step, result.nonfinite, self.env.is_main):
-                self._fail(step)
+            if unread is not None:
+                stop_seen |= self._account(*unread)
+            last = step == self.total_steps
+            stop_after = t.stop_after_steps is not None and step - self.start_step >= t.stop_after_steps
+            unread = (step, result)
+            if stop_seen or last or stop_after or self.metrics.due(step) or self.checkpointer.due(step, last, False,
+                                                                                                  False):
+                stop_seen |= self._account(step, result)
+                unread = None
             self.metrics.record(step, self.lr, result, self.guard.skipped)
             self._evaluate(step)
-            stop_job = result.stop_requested or (t.stop_after_steps is not None
-                                                 and step - self.start_step >= t.stop_after_steps)
-            self.checkpointer.maybe_save(step, last=step == self.total_steps, stopping=stop_job,
-                                         in_trouble=self.guard.in_row > 0)
+            stop_job = stop_seen or stop_after
+            self.checkpointer.maybe_save(step, last=last, stopping=stop_job, in_trouble=self.guard.in_row > 0)
             if stop_job and step < self.total_steps:
-                state = "preempted" if result.stop_requested else "stopped"
+                state = "preempted" if stop_seen else "stopped"
                 break
         return self._finish(state)
+
+    def _account(self, step: int, result: StepResult) -> bool:
+        """Read ``step``'s result: count a skipped step (fail after too many); True if a stop was asked."""
+        if self.guard.update(step, result.nonfinite, self.env.is_main):
+            self._fail(step)
+        return result.stop_requested
 
     def _evaluate(self, step: int) -> None:
         scores = self.validator.maybe_validate(step, last=step == self.total_steps)
