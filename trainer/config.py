@@ -21,6 +21,7 @@ from data.config import DataConfig, TokenizerConfig
 from models.config import ModelConfig
 from scape.config import OptimizerConfig
 from sdp.config import SDPConfig
+from trainer.schedule import LrSchedule
 
 
 Precision = Literal["auto", "bf16", "fp32"]  # auto: bf16 autocast on CUDA, fp32 on CPU
@@ -99,6 +100,10 @@ def check_schedule(o: Any) -> None:
     if not 0 <= o.min_lr_ratio <= 1:
         raise ConfigError(f"optimizer.min_lr_ratio must lie in [0, 1], got {o.min_lr_ratio}")
     _non_negative("optimizer.grad_clip", o.grad_clip, " (0 = off)")
+    check_choice("optimizer.lr_schedule", o.lr_schedule, LrSchedule)
+    if not 0 < o.decay_fraction <= 1:
+        raise ConfigError(f"optimizer.decay_fraction must lie in (0, 1] (the final fraction of the steps "
+                          f"that decays, e.g. 0.2), got {o.decay_fraction}")
 
 
 @dataclass

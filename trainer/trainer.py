@@ -212,7 +212,7 @@ class Trainer:
         """One optimizer step at ``step`` (1-based) with the schedule's learning rate."""
         o = self.cfg.optimizer
         self.comm.counter.reset()
-        self.lr = lr_at(step, o.lr, o.warmup_steps, self.total_steps, o.min_lr_ratio)
+        self.lr = lr_at(step, o.lr, o.warmup_steps, self.total_steps, o.min_lr_ratio, o.lr_schedule, o.decay_fraction)
         return train_step(self.train_model, self.sync, self.batches, self.accum, self.lr, o.grad_clip, self.comm,
                           self.env.world_size, self.autocast, self.stop.requested, self.env.device)
 
