@@ -66,6 +66,10 @@ class TrainConfig:
     downstream_limit: Optional[float] = 200  # documents per task
     downstream_include_path: Optional[str] = None  # folder of custom task YAMLs (offline tasks)
     init_from: Optional[str] = None  # start from these weights (a checkpoint folder): fresh optimizer, step 0
+    peak_tflops: Optional[float] = None  # the device's dense bf16 peak for perf/mfu; None: the GPU table (CPU: no MFU)
+    profile: bool = False  # torch.profiler trace + top kernels of steps profile_start..profile_end (trainer/profile.py)
+    profile_start: int = 5
+    profile_end: int = 7
 
     def __post_init__(self) -> None:
         for key in ("steps", "log_every", "eval_batches"):
@@ -75,6 +79,11 @@ class TrainConfig:
         check_choice("train.precision", self.precision, Precision)
         check_choice("train.device", self.device, Device)
         _non_negative("train.downstream_every", self.downstream_every, " (0 = off)")
+        if self.peak_tflops is not None:
+            _positive("train.peak_tflops", self.peak_tflops)
+        if not 1 <= self.profile_start <= self.profile_end:
+            raise ConfigError(f"train.profile_start..profile_end must be a step range with 1 <= start <= end, "
+                              f"got {self.profile_start}..{self.profile_end}")
         if self.max_nonfinite_steps < 1:
             raise ConfigError(f"train.max_nonfinite_steps must be >= 1, got {self.max_nonfinite_steps}")
 
