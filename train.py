@@ -25,17 +25,18 @@ def main(cfg: DictConfig) -> None:
     from trainer.sweep import finish_point, prepare_point
     from trainer.trainer import run
 
+    submitit_job = False
     try:
         submitit_job = prepare_point(cfg)  # multirun: a run name per point; Slurm jobs via submitit
         finish_point(run(cfg), submitit_job)
-    except (ValueError, OSError, CheckpointError, DataPipelineError, RankZeroError) as exc:
+    except (ValueError, OSError, CheckpointError, DataPipelineError, RankZeroError, CollectiveError) as exc:
         # Bad input (config values, paths, data, checkpoints): the message names the key and the
-        # fix; a traceback would only hide it. Bugs still raise with their traceback.
+        # fix; a traceback would only hide it. A peer that died or hung: name it, no 40-frame
+        # traceback. Bugs still raise with their traceback.
         print(f"error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    except CollectiveError as exc:  # a peer died or hung: name it, no 40-frame traceback
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        if submitit_job:
+            raise  # submitit records the error, and the sweep command reports the failed point
+        sys.exit(1 if isinstance(exc, CollectiveError) else 2)
 
 
 if __name__ == "__main__":
