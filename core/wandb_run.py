@@ -133,5 +133,5 @@ def grouping(config: Dict[str, Any]) -> Tuple[str, List[str]]:
     if kind != "none":
         group += f"_{kind[0]}sdp{_percent(sdp.get('coverage', 1.0))}"
         tags += [f"sdp:{kind}", f"sdp_coverage:{float(sdp.get('coverage', 1.0)):g}"]
-    explicit = (config.get("logger") or {}).get("group")
-    return (explicit or group), tags
+    logger = config.get("logger") or {}
+    return (logger.get("group") or group), tags + [t for t in logger.get("tags") or [] if t not in tags]

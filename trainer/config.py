@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, List, Literal, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -94,7 +94,8 @@ class LoggerConfig:
     wandb: str = "auto"  # WandbMode
     project: str = "scape-sdp"
     entity: Optional[str] = None
-    group: Optional[str] = None
+    group: Optional[str] = None  # wandb group; None: from the values, e.g. llama500m_scape99 (core/wandb_run.py)
+    tags: List[str] = field(default_factory=list)  # extra wandb tags (optimizer, sparsity, SDP come by themselves)
 
     def __post_init__(self) -> None:
         check_choice("logger.wandb", self.wandb, WandbMode)

@@ -35,8 +35,9 @@ def test_group_and_tags_follow_the_values_not_the_experiment_name():
     group, tags = grouping(config)
     assert group == "llama500m_adams_bsdp50" and {"sdp:block", "sdp_coverage:0.5"} <= set(tags)
     assert not any(t.startswith("sparsity:") for t in tags), "a dense optimizer has no sparsity tag"
-    config["logger"]["group"] = "my-study"
-    assert grouping(config)[0] == "my-study"
+    config["logger"] = {"group": "my-study", "tags": ["lr-sweep"]}
+    group, tags = grouping(config)
+    assert group == "my-study" and tags[-1] == "lr-sweep" and "optimizer:adams" in tags
 
 
 def test_provenance_names_code_libraries_and_job(monkeypatch):

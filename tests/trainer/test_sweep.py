@@ -53,3 +53,35 @@ def test_vista_launcher_composes_with_the_vista_environment(tmp_path):
     assert f"OUT={tmp_path}/scape-sdp/runs HF={tmp_path}/hf_home OMP=1" in out
     gpu = subprocess.run(["bash", "-ec", script], env={**env, "SCAPE_CPU": "0"}, capture_output=True, text=True)
     assert "module" in gpu.stderr  # GPU mode asks Lmod for the modules (absent here)
+
+
+def test_the_time_limit_signal_checkpoints_and_requeues_the_point(monkeypatch):
+    import signal
+    import time
+
+    from trainer import sweep
+    from trainer.trainer import StopSignal
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGUSR2)}
+    try:
+        stop = StopSignal()
+        signal.signal(signal.SIGUSR2, sweep._forward_to_stop_signal)  # what prepare_point installs
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(0.05)
+        assert stop.requested, "submitit's USR2 must reach the Trainer's stop flag"
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+    calls = []
+    monkeypatch.setattr(sweep.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or
+                        subprocess.CompletedProcess(cmd, 0))
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("RANK", "0")
+    sweep.finish_point({"state": "completed", "step": 9}, submitit_job=True)
+    sweep.finish_point({"state": "preempted", "step": 5}, submitit_job=False)
+    assert calls == []
+    sweep.finish_point({"state": "preempted", "step": 5}, submitit_job=True)
+    assert calls == [["scontrol", "requeue", "77"]]
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "50")
+    sweep.finish_point({"state": "preempted", "step": 6}, submitit_job=True)
+    assert len(calls) == 1, "SCAPE_MAX_RESTARTS (50) bounds the requeues"
