@@ -15,7 +15,8 @@
 #      gh-dev partition, CPU mode), each point a job of 2 tasks: both complete, every step logged
 #      once, each point's run named by its value and job, on 2 ranks.
 #
-# Takes about 2-4 minutes on 2 idle cores (the first run also installs Slurm: ~15 s more).
+# Takes about 2-4 minutes on 2 idle cores (the first run also installs Slurm: ~15 s more); sweep D
+# adds under a minute.
 # Environment:
 #   SCAPE_VENV               venv for train.py (default: the active one, else ./.venv)
 #   SCAPE_CI_KEEP=1          keep the work directory and the cluster afterwards
