@@ -22,10 +22,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from trainer.metrics import METRICS, is_known_metric  # noqa: E402
+from trainer.metrics import AXES, METRICS, is_known_metric  # noqa: E402
 
 STEP = "Step"  # wandb's own x-axis: the step each record was logged at (ours, passed to log)
-TOKENS, BYTES = "train/tokens", "comm/bytes_cumulative"
+TOKENS, BYTES = AXES
 # The per-kind byte counters (comm/bytes_<kind>), not the totals.
 COMM_KINDS_REGEX = r"^comm/bytes_(?!total$|cumulative$).+"
 

@@ -21,7 +21,7 @@ import torch
 from core.wandb_run import ensure_run_id, grouping, provenance, rewind_point, wandb_mode
 
 # Every metric a run can log, with what it is. The synchronisers' own metrics (scape/, sdp/) are
-# listed here too, so the dashboard and the tests know them; tests/trainer/test_metric_names.py
+# listed here too, so the dashboard and the tests know them; tests/scripts/test_dashboard.py
 # checks both directions against real runs.
 METRICS: Dict[str, str] = {
     "train/loss": "training loss of the step (mean over ranks and micro-batches)",
@@ -59,7 +59,8 @@ METRIC_FAMILIES: Dict[str, str] = {
     "scape/time_*_s": "SCAPE's own timers (topk, pack, wait)",
     "eval/*": "downstream task scores, eval/<task>/<metric>",
 }
-# Logged with every record, so any metric can be plotted against tokens or bytes sent.
+# Logged with every record (steps, validation, downstream scores), so any metric can be plotted
+# against tokens or against bytes sent.
 AXES = ("train/tokens", "comm/bytes_cumulative")
 
 
@@ -330,5 +331,5 @@ class MetricsProcessor:
     def log(self, step: int, metrics: Dict[str, Any]) -> None:
         """Other metrics of ``step`` (validation, downstream scores), with the x-axes (AXES)."""
         if self.logger is not None:
-            axes = {"train/tokens": step * self.tokens_per_step, "comm/bytes_cumulative": self.bytes_cumulative}
+            axes = dict(zip(AXES, (step * self.tokens_per_step, self.bytes_cumulative)))
             self.logger.log(step, {**axes, **metrics})
