@@ -40,7 +40,8 @@ class LoadedCheckpoint:
 
     @property
     def run_name(self) -> str:
-        """The trainer's run name (the wandb id), else the run folder's name."""
+        """The trainer's run name (wandb's display name; the wandb id is in the run folder's
+        ``wandb_id``), else the run folder's name."""
         return str((self.meta.get("config") or {}).get("run_name") or self.path.resolve().parent.name)
 
 

@@ -229,23 +229,25 @@ def log_to_wandb(metrics: Dict[str, float], *, run_name: str, run_config: Dict[s
                  step: Optional[int], mode: str, resume_run: bool, run_dir: Path) -> Optional[str]:
     """Log ``metrics`` once; returns the wandb run id (None when disabled).
 
-    ``resume_run`` continues the training run (its wandb id is the run name) so the scores sit
-    beside its curves; otherwise a new run ``<run name>-eval`` joins the same group. eval/*
-    is plotted against ``eval/step`` (the checkpoint's step) rather than wandb's own step, which
-    must only increase and would drop an older checkpoint's scores on a resumed run.
+    ``resume_run`` continues the training run (the id its run folder ``run_dir`` stores, see
+    core/wandb_run.py) so the scores sit beside its curves; otherwise a new run ``<run name>-eval``
+    joins the training run's group. eval/* is plotted against ``eval/step`` (the checkpoint's
+    step) rather than wandb's own step, which must only increase and would drop an older
+    checkpoint's scores on a resumed run.
     """
     if mode == "disabled":
         return None
     import wandb
 
-    from core.wandb_run import wandb_id
+    from core.wandb_run import grouping, run_id_for
 
     logger_cfg = run_config.get("logger") or {}
+    group, tags = grouping(run_config)
     run = wandb.init(
         project=logger_cfg.get("project") or "scape-sdp", entity=logger_cfg.get("entity"),
-        group=logger_cfg.get("group"),
+        group=group, tags=tags,
         name=run_name if resume_run else f"{run_name}-eval",
-        id=wandb_id(run_name) if resume_run else None,
+        id=run_id_for(run_dir, run_name) if resume_run else None,
         resume="allow" if resume_run else None, job_type="eval", dir=str(run_dir), mode=mode,
         config=None if resume_run else run_config)
     run.define_metric("eval/step")

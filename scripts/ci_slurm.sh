@@ -10,13 +10,18 @@
 #      some step P, requeue itself (same job id), resume from step-P and finish, with every
 #      step in metrics.jsonl exactly once;
 #   4. job C: slurm/generic.sh with SCAPE_REQUEUE=resubmit, signalled the same way: it must
-#      resubmit itself as a new job that resumes from the checkpoint and finishes.
+#      resubmit itself as a new job that resumes from the checkpoint and finishes;
+#   5. sweep D: a two-point Hydra sweep through hydra-submitit-launcher (hydra/launcher=vista, the
+#      gh-dev partition, CPU mode), each point a job of 2 tasks: both complete, every step logged
+#      once, each point's run named by its value and job, on 2 ranks.
 #
-# Takes about 2-4 minutes on 2 idle cores (the first run also installs Slurm: ~15 s more).
+# Takes about 2-4 minutes on 2 idle cores (the first run also installs Slurm: ~15 s more); sweep D
+# adds under a minute.
 # Environment:
 #   SCAPE_VENV               venv for train.py (default: the active one, else ./.venv)
 #   SCAPE_CI_KEEP=1          keep the work directory and the cluster afterwards
 #   SCAPE_CI_SKIP_GENERIC=1  skip job C
+#   SCAPE_CI_SKIP_SWEEP=1    skip sweep D
 #   SCAPE_CI_HONOR_BEGINTIME=1  let Slurm's ~2 minute hold on requeued jobs run out instead of
 #                            releasing the requeued job after 2 s (slower; same mechanics)
 #   SCAPE_CI_JOB_TIMEOUT     seconds any one job may take (default 420)
@@ -291,6 +296,40 @@ if [[ ${SCAPE_CI_SKIP_GENERIC:-0} != 1 ]]; then
     [[ $state == COMPLETED ]] || fail "resubmitted job $jc2 ended $state"
     check_resumed_run "$run_c" "$p" "$WORK/logs/ci-resubmit-$jc2.out"
     say "job C ok: generic.sh resubmitted as job $jc2, resumed from step-$p, completed $LONG_STEPS steps"
+fi
+
+# ---- sweep D: Hydra multirun, one Slurm job per point (hydra/launcher=vista) ---------------------
+if [[ ${SCAPE_CI_SKIP_SWEEP:-0} != 1 ]]; then
+    if [[ -n ${SCAPE_VENV:-} ]]; then sweep_py=$SCAPE_VENV/bin/python
+    elif [[ -x $REPO/.venv/bin/python ]]; then sweep_py=$REPO/.venv/bin/python
+    else sweep_py=python3; fi
+    SWEEP_STEPS=4
+    say "sweep D: two points through hydra/launcher=vista"
+    # The submitting command waits for both jobs; the run folders go to $SCAPE_OUT_DIR.
+    timeout "$JOB_TIMEOUT" "$sweep_py" train.py -m hydra/launcher=vista hydra.launcher.partition=gh-dev \
+        hydra.launcher.timeout_min=15 hydra.launcher.tasks_per_node=2 hydra.sweep.dir="$WORK/sweep" \
+        "${TINY[@]}" train.steps=$SWEEP_STEPS train.ckpt_every=0 optimizer.lr=1e-3,3e-3 \
+        >"$WORK/logs/sweep.out" 2>&1 || { tail -n 40 "$WORK/logs/sweep.out" >&2; fail "the sweep failed"; }
+    sweep_jobs=()
+    for lr in 0.001 0.003; do
+        runs=("$WORK"/runs/tiny_adamw-lr$lr-*)
+        [[ ${#runs[@]} == 1 && -d ${runs[0]} ]] || fail "sweep point lr=$lr: expected one run folder, have: $(ls "$WORK/runs")"
+        run=${runs[0]}
+        sweep_jobs+=("${run##*-}")
+        [[ $(status_of "$run") == "completed $SWEEP_STEPS" ]] || fail "$run status.json: $(status_of "$run")"
+        assert_steps_exactly "$run" "$SWEEP_STEPS"
+        grep -q "^  lr: $lr\$" "$run/config.yaml" || fail "$run/config.yaml does not have lr $lr"
+    done
+    [[ ${sweep_jobs[0]} != "${sweep_jobs[1]}" ]] || fail "both sweep points ran in job ${sweep_jobs[0]}"
+    for j in "${sweep_jobs[@]}"; do
+        JOBS+=("$j")
+        # The command returns once the results are written; the jobs end a moment later.
+        state=$(wait_job_end "$j")
+        [[ $state == COMPLETED ]] || fail "sweep job $j ended $state"
+    done
+    ranks=$(grep -rl "2 rank(s)" "$WORK/sweep/.submitit" 2>/dev/null | wc -l)
+    ((ranks == 2)) || fail "$ranks of the 2 sweep jobs' logs show training on 2 ranks (logs in $WORK/sweep/.submitit)"
+    say "sweep D ok: jobs ${sweep_jobs[*]} trained lr=1e-3 and lr=3e-3 on 2 ranks each, $SWEEP_STEPS steps"
 fi
 
 PASSED=1

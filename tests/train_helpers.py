@@ -27,7 +27,7 @@ def train_cli(overrides: Sequence[str], nproc: int = 1, timeout: int = 300,
                "train.py", *overrides]
     else:
         cmd = [sys.executable, "train.py", *overrides]
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", **(env or {}))
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", **(env or {})}
     return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 

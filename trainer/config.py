@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, List, Literal, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -22,6 +22,7 @@ from data.config import DataConfig, TokenizerConfig
 from models.config import ModelConfig
 from scape.config import OptimizerConfig
 from sdp.config import SDPConfig
+from trainer.schedule import LrSchedule
 
 
 Precision = Literal["auto", "bf16", "fp32"]  # auto: bf16 autocast on CUDA, fp32 on CPU
@@ -66,6 +67,10 @@ class TrainConfig:
     downstream_limit: Optional[float] = 200  # documents per task
     downstream_include_path: Optional[str] = None  # folder of custom task YAMLs (offline tasks)
     init_from: Optional[str] = None  # start from these weights (a checkpoint folder): fresh optimizer, step 0
+    peak_tflops: Optional[float] = None  # the device's dense bf16 peak for perf/mfu; None: the GPU table (CPU: no MFU)
+    profile: bool = False  # torch.profiler trace + top kernels of steps profile_start..profile_end (trainer/profile.py)
+    profile_start: int = 5
+    profile_end: int = 7
 
     def __post_init__(self) -> None:
         for key in ("steps", "log_every", "eval_batches"):
@@ -75,6 +80,11 @@ class TrainConfig:
         check_choice("train.precision", self.precision, Precision)
         check_choice("train.device", self.device, Device)
         _non_negative("train.downstream_every", self.downstream_every, " (0 = off)")
+        if self.peak_tflops is not None:
+            _positive("train.peak_tflops", self.peak_tflops)
+        if not 1 <= self.profile_start <= self.profile_end:
+            raise ConfigError(f"train.profile_start..profile_end must be a step range with 1 <= start <= end, "
+                              f"got {self.profile_start}..{self.profile_end}")
         if self.max_nonfinite_steps < 1:
             raise ConfigError(f"train.max_nonfinite_steps must be >= 1, got {self.max_nonfinite_steps}")
 
@@ -85,7 +95,8 @@ class LoggerConfig:
     wandb: str = "auto"  # WandbMode
     project: str = "scape-sdp"
     entity: Optional[str] = None
-    group: Optional[str] = None
+    group: Optional[str] = None  # wandb group; None: from the values, e.g. llama500m_scape99 (core/wandb_run.py)
+    tags: List[str] = field(default_factory=list)  # extra wandb tags (optimizer, sparsity, SDP come by themselves)
 
     def __post_init__(self) -> None:
         check_choice("logger.wandb", self.wandb, WandbMode)
@@ -101,6 +112,10 @@ def check_schedule(o: Any) -> None:
     if not 0 <= o.min_lr_ratio <= 1:
         raise ConfigError(f"optimizer.min_lr_ratio must lie in [0, 1], got {o.min_lr_ratio}")
     _non_negative("optimizer.grad_clip", o.grad_clip, " (0 = off)")
+    check_choice("optimizer.lr_schedule", o.lr_schedule, LrSchedule)
+    if not 0 < o.decay_fraction <= 1:
+        raise ConfigError(f"optimizer.decay_fraction must lie in (0, 1] (the final fraction of the steps "
+                          f"that decays, e.g. 0.2), got {o.decay_fraction}")
 
 
 @dataclass

@@ -26,6 +26,7 @@ from trainer.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint,
 from trainer.config import Config, ConfigError, accumulation_steps, to_config
 from trainer.metrics import MetricsLogger, MetricsProcessor
 from trainer.parts import build_model_and_sync
+from trainer.profile import StepProfiler
 from trainer.schedule import lr_at
 from trainer.step import StepResult, train_step
 from trainer.validate import DownstreamEvaluator, Validator
@@ -65,14 +66,16 @@ class NonFiniteGuard:
         return self.in_row >= self.max_in_row
 
 
-def _trim_metrics(path: Path, last_step: int) -> None:
-    """Drop log lines after the resumed checkpoint so the log holds every step exactly once."""
+def _trim_metrics(path: Path, last_step: int) -> int:
+    """Drop log lines after the resumed checkpoint so the log holds every step exactly once;
+    returns the last step the log had (what wandb has seen too)."""
     if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+        return 0
+    records = [(line, json.loads(line)["step"]) for line in path.read_text().splitlines() if line.strip()]
     tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.write_text("".join(line + "\n" for line, step in records if step <= last_step))
     os.replace(tmp, path)
+    return max((step for _, step in records), default=0)
 
 
 def _write_json(path: Path, obj: Dict[str, Any]) -> None:
@@ -157,12 +160,13 @@ class Trainer:
         self.step = self.start_step
         self._bytes_at_start = bytes_cumulative
         self.resolved = dataclasses.asdict(self.cfg)
+        self.logger = None
         if env.is_main:  # e.g. a restart by torchrun --max-restarts before the first checkpoint
-            _trim_metrics(self.run_dir / "metrics.jsonl", self.start_step)
+            logged_through = _trim_metrics(self.run_dir / "metrics.jsonl", self.start_step)
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(self.resolved)))
             self._announce()
-        self.logger = MetricsLogger(self.run_dir, self.cfg.logger, self.cfg.run_name, self.resolved,
-                                    self.resume_from is not None) if env.is_main else None
+            self.logger = MetricsLogger(self.run_dir, self.cfg.logger, self.cfg.run_name, self.resolved,
+                                        self.start_step, logged_through, self.total_steps)
         self._status("running", self.start_step)
 
     def _init_weights(self, folder: Path) -> None:
@@ -188,7 +192,10 @@ class Trainer:
         self.dense_bytes = all_reduce_bytes(self.full_params * 4, env.world_size)
         self.metrics = MetricsProcessor(self.logger, self.sync, self.comm, t.log_every, self.start_step,
                                         self.total_steps, t.global_batch_tokens, self.flops_per_token,
-                                        env.world_size, env.device, self.dense_bytes, self._bytes_at_start)
+                                        env.world_size, env.device, self.dense_bytes, self._bytes_at_start,
+                                        t.peak_tflops)
+        self.profiler = StepProfiler(self.run_dir, t.profile_start, t.profile_end, self.start_step, env.device,
+                                     t.profile and env.is_main)
         self.downstream = None
         if t.downstream_every:  # on every rank (evaluation_weights may be a collective); rank 0 scores
             from data import load_tokenizer
@@ -219,7 +226,7 @@ class Trainer:
         """One optimizer step at ``step`` (1-based) with the schedule's learning rate."""
         o = self.cfg.optimizer
         self.comm.counter.reset()
-        self.lr = lr_at(step, o.lr, o.warmup_steps, self.total_steps, o.min_lr_ratio)
+        self.lr = lr_at(step, o.lr, o.warmup_steps, self.total_steps, o.min_lr_ratio, o.lr_schedule, o.decay_fraction)
         return train_step(self.train_model, self.sync, self.batches, self.accum, self.lr, o.grad_clip, self.comm,
                           self.env.world_size, self.autocast, self.stop.requested, self.env.device)
 
@@ -250,6 +257,7 @@ class Trainer:
                 stop_seen |= self._account(step, result)
                 unread = None
             self.metrics.record(step, self.lr, result, self.guard.skipped)
+            self.profiler.step(step)
             self._evaluate(step)
             stop_job = stop_seen or stop_after
             self.checkpointer.maybe_save(step, last=last, stopping=stop_job, in_trouble=self.guard.in_row > 0)
@@ -293,7 +301,7 @@ class Trainer:
         if self.env.is_main:
             _write_json(self.run_dir / "summary.json", summary)
             self._status(state, self.step)
-            self.logger.summary({k: v for k, v in summary.items() if isinstance(v, (int, float))})
+            self.logger.summary(summary)
             self.logger.close()
             if state == "completed":
                 print(f"done: validation loss {self.validator.last:.4f} after {self.step} steps; run files in "
@@ -306,6 +314,8 @@ class Trainer:
 
     def close(self) -> None:
         """Stop the loader's prefetch thread and wait for it (before the interpreter exits)."""
+        if getattr(self, "profiler", None) is not None:
+            self.profiler.close()
         if self.batches is not None:
             self.batches.close()  # the generator's finally joins its thread
         self.train_data.close()

@@ -264,15 +264,20 @@ def test_wandb_logs_into_the_training_run(tmp_path: Path, monkeypatch) -> None:
     assert wandb_mode_for_run("offline", {"logger": {"wandb": "disabled"}}) == "offline"
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
+    from core.wandb_run import ensure_run_id
+
+    trained_id = ensure_run_id(tmp_path)  # what the trainer stored in the run folder
     run_id = log_to_wandb({"eval/piqa/acc": 0.625}, run_name="llama500m/scape99", step=300,
                           run_config={"logger": {"project": "scape-sdp", "wandb": "auto"}},
                           mode="offline", resume_run=True, run_dir=tmp_path)
-    assert run_id == "llama500m-scape99"  # core/wandb_run.py's id for that run name
+    assert run_id == trained_id, "evaluation logs into the run folder's wandb run, not one named after it"
     import wandb
 
     # finish() returns before wandb's service process has closed the run's transaction log;
     # teardown waits for that process to exit, so the file below is complete (CI saw it empty).
     wandb.teardown()
-    (run_dir,) = (tmp_path / "wandb").glob(f"offline-run-*-{run_id}")
-    (events,) = run_dir.glob("*.wandb")
-    assert b"eval/piqa/acc" in events.read_bytes() and b"eval/step" in events.read_bytes()
+    from tests.wandb_files import offline_runs
+
+    (run,) = offline_runs(tmp_path)
+    assert run.run_id == trained_id and run.job_type == "eval"
+    assert run.history[-1]["eval/piqa/acc"] == 0.625 and run.history[-1]["eval/step"] == 300
