@@ -18,6 +18,7 @@ class OptimizerConfig(DenseOptimizerConfig):
     dense_warmup_steps: int = 1
     sparsity_warmup_steps: int = 0
     mask_transport: str = "auto"  # bitmap | indices | auto
+    topk_method: str = "exact"  # exact | threshold: how the k per partition are found (same k, same set)
     value_dtype: str = "fp32"  # fp32 | bf16
     offload_residual: bool = False
     lag: bool = True
