@@ -22,6 +22,7 @@ class OptimizerConfig(DenseOptimizerConfig):
     value_dtype: str = "fp32"  # fp32 | bf16
     offload_residual: bool = False
     lag: bool = True
+    overlap_backward: bool = True  # with lag: the value all-reduce starts during the last backward
     update: str = "lazy"  # lazy | all
     # the study's rule (conf/optimizer/scape.yaml); the spec's: pre_send, steps, 1 (optimizer=scape_spec)
     score_timing: str = "post_step"  # post_step | pre_send (with lag=true; lag=false scores the step itself)

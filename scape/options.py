@@ -56,6 +56,7 @@ def validate_config(cfg: OptimizerConfig) -> None:
     _choice("base", cfg.base, BASES)
     _choice("score", cfg.score, SCORES)
     _choice("lag", cfg.lag, (True, False))
+    _choice("overlap_backward", cfg.overlap_backward, (True, False))
     _choice("offload_residual", cfg.offload_residual, (True, False))
     if int(cfg.dense_warmup_steps) != cfg.dense_warmup_steps or cfg.dense_warmup_steps < 1:
         raise ValueError(f"optimizer.dense_warmup_steps={cfg.dense_warmup_steps!r} must be an integer "
