@@ -5,7 +5,8 @@ clip, update + scatter (step); in one process the collectives are no-ops, so thi
 computation a rank adds to a step, without communication. It runs with one partition (top-k over
 the whole buffer: the worst case; with N ranks a rank's top-k covers 1/N of it). Each SCAPE arm
 runs with both top-k methods (``optimizer.topk_method``: exact, threshold); ``topk`` compares
-the two selections alone on the same scores: seconds, the k each chose and whether the sets agree.
+the two selections alone on the same scores: seconds, the k each chose, whether the sets agree
+above the k-th value and how many scores tie at it.
 
     python scripts/bench_optimizer.py [--numel 50000000] [--repeats 5] [--out file.json]
 """
@@ -104,7 +105,13 @@ class TopkArm:
         times = {m: _timed(lambda m=m: topk_mask(self.score, self.k, self.masks[m], m, self.scratch), device)
                  for m in TOPK_METHODS}
         times.update({f"k_{m}": float(self.masks[m].sum()) for m in TOPK_METHODS})
-        times["same_set"] = float(torch.equal(self.masks["exact"], self.masks["threshold"]))
+        # 50M fp32 scores repeat values, so the k-th value may be tied: the methods then agree on
+        # every entry above it, and choose different ones among the ties (threshold: lowest index)
+        kth = self.score[self.masks["threshold"]].min()
+        above = self.score > kth
+        times["same_set_above_kth"] = float(torch.equal(self.masks["exact"] & above,
+                                                        self.masks["threshold"] & above))
+        times["ties_at_kth"] = float((self.score == kth).sum())
         return times
 
 
