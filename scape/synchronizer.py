@@ -10,7 +10,7 @@ Per step the loop calls reduce_gradients -> clip_gradients -> step -> after_step
   bucket, during the last micro-batch's backward; here it is waited for.
 - clip_gradients: norm and clipping of ghat, which is replicated, so no collective.
 - step: the update (lazy on the mask by default) with decoupled weight decay everywhere.
-- after_step: exact top-k of this rank's partitions -> M_{t+1}, packed and all-gathered
+- after_step: top-k (``topk_method``) of this rank's partitions -> M_{t+1}, packed and all-gathered
   asynchronously; the wait happens in the next reduce_gradients.
 
 Replicated state (parameters, momentum, mask, step, staleness) is identical on all ranks by
