@@ -78,7 +78,7 @@ from scape.options import as_dataclass, validate_config
 
 NAME = "sparse_avg"
 # SCAPE keys that have no meaning here: a non-default value is an error, not silently ignored.
-SCAPE_ONLY_KEYS = ("offload_residual", "lag", "update", "stale_scale_cap", "stale_scale", "base",
+SCAPE_ONLY_KEYS = ("offload_residual", "lag", "overlap_backward", "update", "stale_scale_cap", "stale_scale", "base",
                    "score", "score_timing", "lossless_clip")
 
 

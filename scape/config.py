@@ -18,9 +18,11 @@ class OptimizerConfig(DenseOptimizerConfig):
     dense_warmup_steps: int = 1
     sparsity_warmup_steps: int = 0
     mask_transport: str = "auto"  # bitmap | indices | auto
+    topk_method: str = "exact"  # exact | threshold: how the k per partition are found (same k, same set)
     value_dtype: str = "fp32"  # fp32 | bf16
     offload_residual: bool = False
     lag: bool = True
+    overlap_backward: bool = True  # with lag: the value all-reduce starts during the last backward
     update: str = "lazy"  # lazy | all
     # the study's rule (conf/optimizer/scape.yaml); the spec's: pre_send, steps, 1 (optimizer=scape_spec)
     score_timing: str = "post_step"  # post_step | pre_send (with lag=true; lag=false scores the step itself)

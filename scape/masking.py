@@ -6,7 +6,7 @@ of a mask M_t that every rank knows. ``MaskExchange`` is that mask's whole life:
 
 - the schedule: dense steps 1..W, then the density decaying from 1 to rho (k per partition and
   the transport that is smaller for that k);
-- the exchange: exact top-k of this rank's score per owned partition (``scape.topk``), encoded
+- the exchange: top-k of this rank's score per owned partition (``scape.topk``), encoded
   (``scape.transport``) and all-gathered (kind ``scape_mask``), usually asynchronously so that
   the wait lands in the next step's reduce_gradients;
 - the mask held (ascending flat indices, k per partition, the step it is for), and how much of
@@ -63,6 +63,7 @@ class MaskExchange:
         self.k = 0
         self.overlap: Optional[torch.Tensor] = None
         self._pending: Optional[_PendingMask] = None
+        self._topk_scratch: Optional[torch.Tensor] = None  # the threshold method's work buffer
 
     # --- schedule ----------------------------------------------------------------------------
     def is_dense(self, step: int) -> bool:
@@ -101,12 +102,17 @@ class MaskExchange:
         self._pending = _PendingMask(step, work, received, send, k)
 
     def _select(self, k: int) -> torch.Tensor:
-        """This rank's part of the next mask: a bool mask over its region, k per partition."""
+        """This rank's part of the next mask: a bool mask over its region, k per partition
+        (``optimizer.topk_method``: both methods choose the same k, see scape/topk.py)."""
         size = self.layout.partition_size
         chosen = torch.empty(self.layout.owned_numel, dtype=torch.bool, device=self.device)
+        method = self.cfg.topk_method
+        if method == "threshold" and self._topk_scratch is None:
+            self._topk_scratch = torch.empty(size, dtype=torch.bool, device=self.device)
         with self.timers.time("topk"):
             for p in range(self.layout.partitions_per_rank):
-                topk_mask(self.score[p * size:(p + 1) * size], k, chosen[p * size:(p + 1) * size])
+                topk_mask(self.score[p * size:(p + 1) * size], k, chosen[p * size:(p + 1) * size],
+                          method, self._topk_scratch)
         return chosen
 
     def _own_overlap(self, chosen: torch.Tensor, k: int) -> Optional[torch.Tensor]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 from scape.config import OptimizerConfig
+from scape.topk import TOPK_METHODS
 from scape.transport import TRANSPORTS
 
 VALUE_DTYPES = ("fp32", "bf16")
@@ -49,11 +50,13 @@ def validate_config(cfg: OptimizerConfig) -> None:
         raise ValueError(f"optimizer.sparsity={sparsity!r} must lie in [0, 1) "
                          f"(0 = dense, 0.99 = send 1% of the values)")
     _choice("mask_transport", cfg.mask_transport, TRANSPORTS)
+    _choice("topk_method", cfg.topk_method, TOPK_METHODS)
     _choice("value_dtype", cfg.value_dtype, VALUE_DTYPES)
     _choice("update", cfg.update, UPDATES)
     _choice("base", cfg.base, BASES)
     _choice("score", cfg.score, SCORES)
     _choice("lag", cfg.lag, (True, False))
+    _choice("overlap_backward", cfg.overlap_backward, (True, False))
     _choice("offload_residual", cfg.offload_residual, (True, False))
     if int(cfg.dense_warmup_steps) != cfg.dense_warmup_steps or cfg.dense_warmup_steps < 1:
         raise ValueError(f"optimizer.dense_warmup_steps={cfg.dense_warmup_steps!r} must be an integer "

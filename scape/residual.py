@@ -75,6 +75,13 @@ class Residual:
                 self.storage[lo:hi].copy_(buffer, non_blocking=True)
         compute.wait_stream(copy)
 
+    def gather(self, indices: torch.Tensor) -> torch.Tensor:
+        """A device copy of e[indices] (flat indices on the device), the residual unchanged."""
+        if not self.offload:
+            return self.storage.index_select(0, indices)
+        self.synchronize()
+        return self.storage.index_select(0, indices.cpu()).to(self.device, non_blocking=True)
+
     def synchronize(self) -> None:
         """Make host-side reads of ``storage`` safe (pending copies out have landed)."""
         if self.offload and self.copy_stream is not None:

@@ -6,9 +6,11 @@ Per step the loop calls reduce_gradients -> clip_gradients -> step -> after_step
   backward), fold the local gradient into the residual (a = e + (1 - b1) g), score this rank's
   partitions for the next mask, gather a[M_t] and clear it from the residual, and run THE one
   all-reduce of the masked values (fp32 or bf16). Dense steps all-reduce the gradient instead.
+  With ``overlap_backward`` (scape/overlap.py) that all-reduce was already started, bucket by
+  bucket, during the last micro-batch's backward; here it is waited for.
 - clip_gradients: norm and clipping of ghat, which is replicated, so no collective.
 - step: the update (lazy on the mask by default) with decoupled weight decay everywhere.
-- after_step: exact top-k of this rank's partitions -> M_{t+1}, packed and all-gathered
+- after_step: top-k (``topk_method``) of this rank's partitions -> M_{t+1}, packed and all-gathered
   asynchronously; the wait happens in the next reduce_gradients.
 
 Replicated state (parameters, momentum, mask, step, staleness) is identical on all ranks by
@@ -16,8 +18,9 @@ construction: every rank applies the same ghat to it. The residual is the only p
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, ContextManager, Dict, List, Optional
 
 import torch
 
@@ -27,6 +30,7 @@ from scape import kernels
 from scape.config import OptimizerConfig
 from scape.masking import MaskedSynchronizer
 from scape.options import as_dataclass, validate_config
+from scape.overlap import BUCKET_NUMEL, OverlappedValues
 from scape.residual import DEFAULT_CHUNK_NUMEL, Residual
 from scape.update import ScapeOptimizer
 
@@ -41,7 +45,8 @@ class ScapeSynchronizer(MaskedSynchronizer):
 
     def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig,
                  num_partitions: Optional[int] = None,
-                 residual_chunk_numel: int = DEFAULT_CHUNK_NUMEL, comm: Optional[Collectives] = None) -> None:
+                 residual_chunk_numel: int = DEFAULT_CHUNK_NUMEL, comm: Optional[Collectives] = None,
+                 overlap_bucket_numel: int = BUCKET_NUMEL) -> None:
         cfg = as_dataclass(cfg)
         validate_config(cfg)
         self.cfg = cfg
@@ -58,16 +63,52 @@ class ScapeSynchronizer(MaskedSynchronizer):
         self._ghat: Optional[torch.Tensor] = None  # ghat on the mask (or dense), after clipping
         self._sent_local: Optional[torch.Tensor] = None  # this rank's payload, for a rollback
         self._dense = True
+        self.backward_overlap: Optional[OverlappedValues] = None
+        if cfg.overlap_backward and cfg.lag:
+            self.backward_overlap = OverlappedValues(
+                self.flat.params, self.flat.offsets, self.layout.padded_numel, self.params,
+                self.comm, self._pack_contribution, overlap_bucket_numel, self.rank)
 
     # --- the loop's calls --------------------------------------------------------------------
     def zero_grad(self) -> None:
+        if self.backward_overlap is not None and self.backward_overlap.active:
+            self.backward_overlap.wait()  # a skipped step: its payload is dropped, no state changed
         self.flat.zero_grad()
+
+    def micro_batch_context(self, last: bool) -> ContextManager:
+        step = self.step_count + 1
+        if not (last and self.backward_overlap is not None and not self.is_dense(step)):
+            return contextlib.nullcontext()
+        return self._overlapped_backward(step)
+
+    @contextlib.contextmanager
+    def _overlapped_backward(self, step: int):
+        self.masks.start_step()  # the mask wait is timed in here now
+        overlap = self.backward_overlap
+        overlap.arm(lambda: self.masks.mask_for(step), self.value_dtype, self.device)
+        try:
+            yield
+        except BaseException:
+            overlap.disarm()
+            raise
+        with torch.no_grad():
+            overlap.finish_backward()
+
+    @torch.no_grad()
+    def _pack_contribution(self, indices: torch.Tensor, out: torch.Tensor) -> None:
+        """out = a[indices] = e[indices] + (1 - b1) g[indices] (cast to the payload's dtype) with
+        the same arithmetic as the residual fold, and without changing the residual."""
+        values = self.residual.gather(indices)
+        values.add_(self.flat.grad.index_select(0, indices), alpha=1.0 - self.beta1)
+        out.copy_(values)
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
         step = self.step_count + 1
         grad = self.flat.grad
-        self.masks.start_step()
+        overlapped = self.backward_overlap is not None and self.backward_overlap.active
+        if not overlapped:
+            self.masks.start_step()
         self._dense = self.is_dense(step)
         pre_send = self.cfg.score_timing == "pre_send"
         if self._dense:
@@ -76,6 +117,13 @@ class ScapeSynchronizer(MaskedSynchronizer):
             self._ghat = self._reduce_dense(grad)
             return
         k = self.k_at(step)
+        if overlapped:  # the payload was packed and its all-reduce started during backward
+            mask = self.masks.mask_for(step)
+            summed = self.backward_overlap.wait()
+            self._sent_local = torch.empty_like(summed)  # the same payload, from the fold itself
+            self._contribute(grad, accumulate=True, score=pre_send, mask=mask, values=self._sent_local)
+            self._ghat = summed.float().div_(self.world * (1.0 - self.beta1))
+            return
         if self.cfg.lag:
             mask = self.masks.mask_for(step)
             values = torch.empty(mask.numel(), dtype=self.value_dtype, device=self.device)

@@ -1,29 +1,53 @@
-"""Exact top-k by magnitude as a bool mask, fast for the k of 90-99% sparsity.
+"""Top-k by magnitude as a bool mask with exactly k entries, fast for the k of 90-99% sparsity.
 
-``torch.topk`` with k in the hundreds of thousands is a partial sort of the whole partition. Two
-thresholds from a strided sample bracket the k-th largest value: everything at or above the upper
-one is in the top-k for sure (checked: at most k of them), and the rest is chosen by an exact
-top-k among the few values between the two thresholds (checked: enough of them). When the sample
-misjudges, the full ``torch.topk`` runs, so the answer never depends on the sample.
+Two methods (``optimizer.topk_method``), both exact: the same k, the same set as ``torch.topk``
+whenever the k-th largest value is unique.
+
+- ``exact``: ``torch.topk`` with k in the hundreds of thousands is a partial sort of the whole
+  partition. Two thresholds from a strided sample bracket the k-th largest value: everything at
+  or above the upper one is in the top-k for sure (checked: at most k of them), and the rest is
+  chosen by an exact top-k among the few values between the two thresholds (checked: enough of
+  them). When the sample misjudges, the full ``torch.topk`` runs. Among values equal to the k-th
+  largest, which ones are chosen is up to ``torch.topk``.
+- ``threshold``: find the k-th largest value v itself, then mark ``score > v`` and, of the
+  entries equal to v, the lowest-indexed ones until there are exactly k (the tie rule: the
+  canonical top-k). No index list of the k chosen entries is ever built, which is what the exact
+  method pays for at 90% (nonzero, index_select and a scatter over 10% of the partition).
+  On the CPU v comes from the same sampled bracket (a few comparison passes, then a small top-k
+  of the values inside it); on CUDA, and on the CPU when the sample misjudges, from a two-pass
+  radix select over the float bits with 65,536-bin histograms, which is all device tensor ops,
+  so no host synchronisation.
 """
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
 SAMPLE_SIZE = 1 << 16
 MARGIN_SIGMAS = 5.0  # bracket half-width in binomial standard deviations of the sample count
+TOPK_METHODS = ("exact", "threshold")
+_RADIX_BINS = 1 << 16
 
 
-def topk_mask(score: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
-    """Set ``out`` (bool, like ``score``) to a mask of exactly k largest entries of ``score``."""
+def topk_mask(score: torch.Tensor, k: int, out: torch.Tensor, method: str = "exact",
+              scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Set ``out`` (bool, like ``score``) to a mask of exactly k largest entries of ``score``.
+
+    ``scratch``: a bool tensor like ``out`` that the threshold method may overwrite (a caller
+    that selects every step keeps one, so no partition-sized buffer is allocated per call).
+    """
+    if method not in TOPK_METHODS:
+        raise ValueError(f"top-k method {method!r} is not supported; allowed: {', '.join(TOPK_METHODS)}")
     n = score.numel()
     if k >= n:
         return out.fill_(True)
-    out.zero_()
     if k <= 0:
-        return out
+        return out.zero_()
+    if method == "threshold":
+        return threshold_mask(score, k, out, scratch)
+    out.zero_()
     if n > 4 * SAMPLE_SIZE and _bracketed(score, k, out):
         return out
     out.zero_()
@@ -31,7 +55,9 @@ def topk_mask(score: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _bracketed(score: torch.Tensor, k: int, out: torch.Tensor) -> bool:
+def _bracket(score: torch.Tensor, k: int):
+    """(lower, upper) sample values with count(score >= lower) >= k >= count(score > upper)
+    expected by a wide margin (upper None: no sure entries), or None when the sample is too small."""
     n = score.numel()
     sample = score[:: n // SAMPLE_SIZE]
     s = sample.numel()
@@ -39,29 +65,128 @@ def _bracketed(score: torch.Tensor, k: int, out: torch.Tensor) -> bool:
     margin = MARGIN_SIGMAS * math.sqrt(expected) + 8
     upper_rank, lower_rank = int(expected - margin), int(math.ceil(expected + margin))
     if lower_rank >= s:
-        return False
+        return None
     ranked = torch.topk(sample, lower_rank + 1).values  # descending
-    lower = ranked[lower_rank]
+    return ranked[lower_rank], (ranked[upper_rank] if upper_rank >= 0 else None)
+
+
+def _bracketed(score: torch.Tensor, k: int, out: torch.Tensor) -> bool:
+    bracket = _bracket(score, k)
+    if bracket is None:
+        return False
+    lower, upper = bracket
     candidates = torch.nonzero(score >= lower).squeeze(1)  # the only full pass besides zeroing
     if candidates.numel() < k:
         return False
     values = score.index_select(0, candidates)
-    if upper_rank >= 0:
-        sure = values > ranked[upper_rank]
+    if upper is not None:
+        sure = values > upper
         n_sure = int(torch.count_nonzero(sure))
         if n_sure > k:
             return False
     else:
         sure, n_sure = torch.zeros_like(values, dtype=torch.bool), 0
     # the n_sure largest are in; the rest is the exact top-(k - n_sure) of the bracket
-    bracket = torch.nonzero(~sure).squeeze(1)
-    chosen = torch.topk(values.index_select(0, bracket), k - n_sure, sorted=False).indices
+    inside = torch.nonzero(~sure).squeeze(1)
+    chosen = torch.topk(values.index_select(0, inside), k - n_sure, sorted=False).indices
     out[candidates[sure]] = True
-    out[candidates.index_select(0, bracket.index_select(0, chosen))] = True
+    out[candidates.index_select(0, inside.index_select(0, chosen))] = True
     return True
 
 
-def topk_indices(score: torch.Tensor, k: int) -> torch.Tensor:
+def threshold_mask(score: torch.Tensor, k: int, out: torch.Tensor,
+                   scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The canonical top-k (ties at the k-th value: lowest index first) of a float32 ``score``."""
+    if score.dtype != torch.float32:
+        raise TypeError(f"threshold top-k needs float32 scores, got {score.dtype}")
+    if not 0 < k < score.numel():
+        return topk_mask(score, k, out, "exact")
+    if score.device.type == "cpu" and score.numel() > 4 * SAMPLE_SIZE and _sampled(score, k, out, scratch):
+        return out
+    return _radix_mask(score, k, out)
+
+
+def _sampled(score: torch.Tensor, k: int, out: torch.Tensor,
+             scratch: Optional[torch.Tensor]) -> bool:
+    """``out`` = canonical top-k via the sampled bracket [lower, upper]; False when it misjudges.
+
+    Every entry equal to the k-th largest value lies inside the bracket, so the k-th value, the
+    entries above it and the ties are all settled among the bracket's few entries: three passes
+    over the partition (two comparisons and one nonzero), none of them writing k indices.
+    """
+    bracket = _bracket(score, k)
+    if bracket is None or bracket[1] is None:
+        return False
+    lower, upper = bracket
+    torch.gt(score, upper, out=out)  # the sure ones
+    above = int(torch.count_nonzero(out))
+    if above >= k:
+        return False
+    inside = torch.ge(score, lower, out=scratch if scratch is not None else torch.empty_like(out))
+    inside ^= out  # lower <= score <= upper
+    where = _sparse_nonzero(inside)
+    if above + where.numel() < k:
+        return False
+    values = score.index_select(0, where)
+    top = torch.topk(values, k - above, sorted=False)
+    kth = top.values.min()
+    ties = values == kth
+    if int(torch.count_nonzero(ties)) == 1:  # the usual case: the top-k set is unique
+        out[where.index_select(0, top.indices)] = True
+        return True
+    chosen = values > kth
+    missing = k - above - int(torch.count_nonzero(chosen))
+    chosen[torch.nonzero(ties).squeeze(1)[:missing]] = True  # ties: the lowest-indexed ones
+    out[where[chosen]] = True
+    return True
+
+
+def _sparse_nonzero(marks: torch.Tensor) -> torch.Tensor:
+    """Ascending indices of the True entries of a bool vector with few of them: the scan runs over
+    8-byte words (an eighth of the elements), then only the words holding a True are expanded."""
+    if marks.numel() % 8 or marks.data_ptr() % 8:
+        return torch.nonzero(marks).squeeze(1)
+    words = torch.nonzero(marks.view(torch.int64)).squeeze(1)
+    word_and_byte = torch.nonzero(marks.view(-1, 8).index_select(0, words))
+    return words.index_select(0, word_and_byte[:, 0]).mul_(8).add_(word_and_byte[:, 1])
+
+
+def _ordered_keys(score: torch.Tensor) -> torch.Tensor:
+    """int32 keys ordered as the floats are (negative floats: magnitude bits flipped)."""
+    bits = score.contiguous().view(torch.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def _kth_bin(hist: torch.Tensor, k: torch.Tensor):
+    """Highest bin b with count(bins >= b) >= k, and the count strictly above it (device tensors)."""
+    from_top = hist.flip(0).cumsum(0)
+    index = torch.searchsorted(from_top, k.reshape(1)).clamp_(max=hist.numel() - 1)
+    b = hist.numel() - 1 - index
+    return b, from_top.index_select(0, index) - hist.index_select(0, b)
+
+
+def _radix_mask(score: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
+    """Exact k-th key by two 16-bit histogram passes, then ``>`` and the lowest-indexed ties."""
+    keys = _ordered_keys(score.reshape(-1))
+    high = ((keys >> 16) + (_RADIX_BINS // 2)).long()  # 0..65535, ordered; scatter indices
+    low = (keys & 0xFFFF).long()
+    ones = torch.ones_like(high, dtype=torch.int64)
+    hist = torch.zeros(_RADIX_BINS, dtype=torch.int64, device=score.device).scatter_add_(0, high, ones)
+    target = torch.full((1,), k, dtype=torch.int64, device=score.device)
+    high_bin, above_high = _kth_bin(hist, target)
+    in_bin = high == high_bin
+    hist_low = torch.zeros_like(hist).scatter_add_(0, low, in_bin.long())
+    low_bin, above_low = _kth_bin(hist_low, target - above_high)
+    kth_key = (((high_bin - _RADIX_BINS // 2) << 16) | low_bin).int()  # the k-th largest key
+    flat_out = out.view(-1)
+    torch.gt(keys, kth_key, out=flat_out)
+    ties = keys == kth_key
+    missing = target - above_high - above_low  # >= 1 ties complete the k
+    flat_out |= ties & (torch.cumsum(ties, 0, dtype=torch.int32) <= missing)
+    return out
+
+
+def topk_indices(score: torch.Tensor, k: int, method: str = "exact") -> torch.Tensor:
     """Ascending indices of the k largest entries of ``score``."""
     mask = torch.empty(score.numel(), dtype=torch.bool, device=score.device)
-    return torch.nonzero(topk_mask(score, k, mask)).squeeze(1)
+    return torch.nonzero(topk_mask(score, k, mask, method)).squeeze(1)

@@ -2,6 +2,21 @@
 
     sudo python scripts/bench_network.py                            # 1 Gbit/s and 100 Mbit/s
     sudo python scripts/bench_network.py --rates 1gbit --steps 8 --out runs/net.json
+    sudo python scripts/bench_network.py --rates 1gbit --time-to-loss 40 --step-cap 160
+
+The dense baseline is the one users run: AdamS with its gradient all-reduce overlapped with
+backward (``optimizer.grad_sync=ddp``, arm ``adams``); ``adams_after_backward`` is the
+all-reduce after the last backward (``optimizer.grad_sync=after_backward``), kept to compare
+like for like. SCAPE runs with its value all-reduce overlapped with backward
+(``optimizer.overlap_backward``, the default; ``scape99_no_overlap`` turns it off). Speed-ups
+are reported against both dense arms.
+
+Time-to-loss mode (``--time-to-loss S --step-cap C``): every arm trains the same model with the
+same learning-rate schedule (over C steps) on the shaped link; the reference arm (``adams``)
+stops after S steps and its validation loss there is the target; every other arm trains until
+its validation loss (every ``--eval-every`` steps) reaches the target or C steps have run. It
+reports, per arm, the steps, training wall-clock (the sum of the steps' times, validation not
+included) and bytes sent per rank to reach the target.
 
 Two ranks of train.py live in two network namespaces joined by a veth pair whose both ends are
 shaped with a ``tc`` token bucket (egress of each end, so each direction gets the rate), and gloo
@@ -39,10 +54,30 @@ REPO = Path(__file__).resolve().parents[1]
 ADDRESS = {"a": "10.203.0.1", "b": "10.203.0.2"}
 
 ARMS: Dict[str, List[str]] = {
-    "adams": ["optimizer=adams"],
+    "adams": ["optimizer=adams", "optimizer.grad_sync=ddp"],
+    "adams_after_backward": ["optimizer=adams", "optimizer.grad_sync=after_backward"],
     "scape90": ["optimizer=scape", "optimizer.sparsity=0.9"],
     "scape99": ["optimizer=scape", "optimizer.sparsity=0.99"],
+    "scape90_threshold": ["optimizer=scape", "optimizer.sparsity=0.9", "optimizer.topk_method=threshold"],
+    "scape99_no_overlap": ["optimizer=scape", "optimizer.sparsity=0.99", "optimizer.overlap_backward=false"],
 }
+DENSE_ARMS = ("adams", "adams_after_backward")
+
+
+def arm_overrides(arm: str) -> List[str]:
+    """The arm's Hydra overrides; before ``optimizer.grad_sync`` exists the dense all-reduce runs
+    after backward, so only the after-backward arm can run (without the key)."""
+    sys.path.insert(0, str(REPO))
+    from scape.config import OptimizerConfig
+
+    overrides = ARMS[arm]
+    if "grad_sync" not in OptimizerConfig.__dataclass_fields__:
+        if arm == "adams":
+            raise SystemExit("arm 'adams' (dense all-reduce overlapped with backward) needs the "
+                             "optimizer.grad_sync key, which this checkout lacks; run "
+                             "--arms adams_after_backward,... or update the checkout")
+        overrides = [o for o in overrides if not o.startswith("optimizer.grad_sync=")]
+    return overrides
 
 
 def model_overrides(args: argparse.Namespace) -> List[str]:
@@ -54,7 +89,8 @@ def model_overrides(args: argparse.Namespace) -> List[str]:
         "data=embedded", "data.embedded_docstrings=false", "data.name=bench_network",
         f"data.cache_dir={args.cache_dir}", "tokenizer.vocab_size=8192",
         f"train.steps={args.steps}", f"train.global_batch_tokens={2 * args.seq_len}", "train.micro_batch_size=1",
-        "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "train.ckpt_every=0",
+        "train.log_every=1", f"train.eval_every={args.eval_every}", f"train.eval_batches={args.eval_batches}",
+        "train.ckpt_every=0",
         "train.keep_last=1", "optimizer.warmup_steps=2", "logger=console",
     ]
 
@@ -155,10 +191,44 @@ def _stream(pipe, sink: List[str]) -> None:
         sink.append(line)
 
 
-def run_arm(link: LinkedNamespaces, arm: str, args: argparse.Namespace, run_root: Path, label: str) -> dict:
-    """One two-rank training run across the link; returns the per-step timing medians."""
+def _records(path: Path) -> List[dict]:
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written
+            pass
+    return records
+
+
+def first_at_target(records: List[dict], target: float) -> Optional[int]:
+    """The first step whose validation loss is at or below ``target``."""
+    for r in records:
+        if "val/loss" in r and float(r["val/loss"]) <= target:
+            return int(r["step"])
+    return None
+
+
+def totals_to(records: List[dict], step: int) -> Dict[str, float]:
+    """Training wall-clock (sum of step times) and bytes per rank over steps 1..step."""
+    timed = {int(r["step"]): r for r in records if "perf/step_time_s" in r and int(r["step"]) <= step}
+    return {"steps": step, "train_wall_s": round(sum(float(r["perf/step_time_s"]) for r in timed.values()), 3),
+            "bytes_per_rank": sum(float(r.get("comm/bytes_total", 0.0)) for r in timed.values())}
+
+
+def run_arm(link: LinkedNamespaces, arm: str, args: argparse.Namespace, run_root: Path, label: str,
+            extra: Sequence[str] = (), stop_at: Optional[float] = None) -> dict:
+    """One two-rank training run across the link; returns the per-step timing medians.
+
+    ``stop_at``: a validation loss; once rank 0 logs one at or below it the ranks are asked to
+    stop (SIGTERM: a clean stop at the next step boundary).
+    """
     run_name = f"{label}-{arm}"
-    overrides = [*model_overrides(args), *ARMS[arm], f"out_dir={run_root}", f"run_name={run_name}"]
+    overrides = [*model_overrides(args), *arm_overrides(arm), *extra, f"out_dir={run_root}",
+                 f"run_name={run_name}"]
     port = str(29500 + (os.getpid() % 400))
     procs, logs = [], []
     for rank, side in enumerate("ab"):
@@ -172,12 +242,18 @@ def run_arm(link: LinkedNamespaces, arm: str, args: argparse.Namespace, run_root
         threading.Thread(target=_stream, args=(proc.stdout, sink), daemon=True).start()
         procs.append(proc)
         logs.append(sink)
+    metrics_path = run_root / run_name / "metrics.jsonl"
     try:
         deadline = time.time() + args.timeout
-        for proc in procs:
-            proc.wait(timeout=max(1.0, deadline - time.time()))
-    except subprocess.TimeoutExpired:
-        pass
+        stopping = False
+        while any(p.poll() is None for p in procs) and time.time() < deadline:
+            time.sleep(0.5)
+            if stop_at is not None and not stopping and \
+                    first_at_target(_records(metrics_path), stop_at) is not None:
+                for proc in procs:
+                    if proc.poll() is None:
+                        os.killpg(proc.pid, signal.SIGTERM)
+                stopping = True
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -186,8 +262,7 @@ def run_arm(link: LinkedNamespaces, arm: str, args: argparse.Namespace, run_root
     if any(p.returncode != 0 for p in procs):
         raise RuntimeError(f"{run_name}: exit codes {[p.returncode for p in procs]}; rank 0 said:\n"
                            + "".join(logs[0][-30:]) + "\nrank 1 said:\n" + "".join(logs[1][-15:]))
-    records = [json.loads(line) for line in (run_root / run_name / "metrics.jsonl").read_text().splitlines()
-               if line.strip()]
+    records = _records(metrics_path)
     timed = [r for r in records if "perf/step_time_s" in r and r["step"] > args.warmup]
     if not timed:
         raise RuntimeError(f"{run_name}: no step after the {args.warmup} warm-up steps was logged")
@@ -199,7 +274,7 @@ def run_arm(link: LinkedNamespaces, arm: str, args: argparse.Namespace, run_root
     return {"parameters": summary.get("parameters"), "step_time_s": median("perf/step_time_s"), "fwd_bwd_s": median("perf/time_fwd_bwd_s"),
             "comm_s": median("perf/time_comm_s"), "opt_s": median("perf/time_opt_s"),
             "bytes_per_step": median("comm/bytes_total"), "steps_timed": len(timed),
-            "step_times_s": [round(float(r["perf/step_time_s"]), 4) for r in timed]}
+            "step_times_s": [round(float(r["perf/step_time_s"]), 4) for r in timed], "records": records}
 
 
 def prepare_corpus(args: argparse.Namespace) -> None:
@@ -223,7 +298,8 @@ def _raise_on_signal(signum, frame) -> None:  # noqa: ARG001 - turns SIGTERM int
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", default="1gbit,100mbit", help="tc rates, comma-separated; 'none' = unshaped")
-    parser.add_argument("--arms", default="adams,scape90,scape99", help=f"from {', '.join(ARMS)}")
+    parser.add_argument("--arms", default="adams,adams_after_backward,scape90,scape99",
+                        help=f"from {', '.join(ARMS)}")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay added by netem")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
@@ -233,15 +309,73 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per rank and step")
     parser.add_argument("--cache-dir", default=str(REPO / "cache" / "data"))
     parser.add_argument("--timeout", type=int, default=900, help="seconds per run")
+    parser.add_argument("--time-to-loss", type=int, default=0, metavar="S",
+                        help="time-to-loss mode: the target is the reference arm's validation loss after S steps")
+    parser.add_argument("--step-cap", type=int, default=0, metavar="C",
+                        help="time-to-loss mode: at most C steps per arm (also the schedule's length)")
+    parser.add_argument("--reference", default="adams", help="time-to-loss mode: the arm that sets the target")
+    parser.add_argument("--eval-every", type=int, default=0, help="validation every N steps (time-to-loss: default 5)")
+    parser.add_argument("--eval-batches", type=int, default=1, help="micro-batches per rank per validation")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     parser.add_argument("--keep-runs", action="store_true", help="keep the run folders (in a temp dir)")
     args = parser.parse_args(argv)
     unknown = [a for a in args.arms.split(",") if a not in ARMS]
     if unknown:
         parser.error(f"unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
+    if args.time_to_loss:
+        args.eval_every = args.eval_every or 5
+        if args.step_cap < args.time_to_loss:
+            parser.error("--step-cap must be at least --time-to-loss")
+        if args.time_to_loss % args.eval_every:
+            parser.error(f"--time-to-loss {args.time_to_loss} must be a multiple of --eval-every "
+                         f"{args.eval_every} (the target is a validation at that step)")
+        if args.reference not in ARMS:
+            parser.error(f"unknown --reference {args.reference!r}; choose from {', '.join(ARMS)}")
+        args.steps = args.step_cap
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
     return args
+
+
+def speedups(entry: Dict[str, dict], arms: Sequence[str]) -> Dict[str, Dict[str, float]]:
+    """Per-step speed-up of every arm against each dense arm that ran."""
+    return {f"speedup_vs_{dense}": {arm: round(entry[dense]["step_time_s"] / entry[arm]["step_time_s"], 2)
+                                    for arm in arms if arm != dense}
+            for dense in DENSE_ARMS if dense in entry}
+
+
+def time_to_loss(link: LinkedNamespaces, args: argparse.Namespace, arms: Sequence[str], run_root: Path,
+                 label: str) -> Dict[str, object]:
+    """The reference's validation loss after S steps, and what every arm takes to reach it."""
+    ref = args.reference
+    reference = run_arm(link, ref, args, run_root, f"{label}-ttl",
+                        extra=[f"train.stop_after_steps={args.time_to_loss}"])
+    records = reference.pop("records")
+    at_s = [r for r in records if "val/loss" in r and int(r["step"]) == args.time_to_loss]
+    if not at_s:
+        raise RuntimeError(f"the reference {ref} logged no validation loss at step {args.time_to_loss}")
+    target = float(at_s[0]["val/loss"])
+    out: Dict[str, object] = {"target_val_loss": round(target, 4), "reference": ref,
+                              "S": args.time_to_loss, "step_cap": args.step_cap,
+                              ref: {"reached": True, **totals_to(records, args.time_to_loss),
+                                    "val_loss": round(target, 4)}}
+    print(f"[bench] time-to-loss target: {ref} val loss {target:.4f} at step {args.time_to_loss}", flush=True)
+    for arm in arms:
+        if arm == ref:
+            continue
+        result = run_arm(link, arm, args, run_root, f"{label}-ttl", stop_at=target)
+        records = result.pop("records")
+        step = first_at_target(records, target)
+        vals = [(int(r["step"]), float(r["val/loss"])) for r in records if "val/loss" in r]
+        last = max(int(r["step"]) for r in records if "perf/step_time_s" in r)
+        entry = {"reached": step is not None, **totals_to(records, step if step is not None else last),
+                 "val_loss": round(dict(vals).get(step, vals[-1][1] if vals else float("nan")), 4),
+                 "val_curve": vals}
+        entry["wall_vs_reference"] = round(entry["train_wall_s"] / out[ref]["train_wall_s"], 3)  # type: ignore[index]
+        entry["bytes_vs_reference"] = round(entry["bytes_per_rank"] / out[ref]["bytes_per_rank"], 4)  # type: ignore[index]
+        out[arm] = entry
+        print(f"[bench] time-to-loss {arm}: {json.dumps(entry)}", flush=True)
+    return out
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -249,6 +383,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if os.geteuid() != 0:
         sys.exit("bench_network.py makes network namespaces and tc qdiscs: run it as root")
     signal.signal(signal.SIGTERM, _raise_on_signal)
+    for arm in {*args.arms.split(","), *([args.reference] if args.time_to_loss else [])}:
+        arm_overrides(arm)  # an arm this checkout cannot run fails before any namespace is made
     prepare_corpus(args)
     arms = args.arms.split(",")
     load_start = os.getloadavg()
@@ -262,13 +398,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 measured = link.measure_throughput(40 if shaped != "100mbit" else 12)
                 entry: Dict[str, object] = {"measured_tcp_bits_per_s": round(measured)}
                 print(f"[bench] link {rate}: one TCP stream measures {measured / 1e6:,.0f} Mbit/s", flush=True)
+                if args.time_to_loss:
+                    entry["time_to_loss"] = time_to_loss(link, args, arms, run_root, rate)
+                    results[rate] = entry
+                    continue
                 for arm in arms:
                     entry[arm] = run_arm(link, arm, args, run_root, rate)
+                    entry[arm].pop("records")
                     print(f"[bench] {rate} {arm}: {json.dumps(entry[arm])}", flush=True)
-                if "adams" in entry:
-                    dense = entry["adams"]["step_time_s"]  # type: ignore[index]
-                    entry["speedup_vs_adams"] = {arm: round(dense / entry[arm]["step_time_s"], 2)  # type: ignore[index]
-                                                 for arm in arms if arm != "adams"}
+                entry.update(speedups(entry, arms))  # type: ignore[arg-type]
                 results[rate] = entry
     finally:
         if not args.keep_runs:

@@ -3,7 +3,10 @@
 SCAPE's step = score + top-k + pack (after_step), unpack + residual update + gather (reduce),
 clip, update + scatter (step); in one process the collectives are no-ops, so this is the
 computation a rank adds to a step, without communication. It runs with one partition (top-k over
-the whole buffer: the worst case; with N ranks a rank's top-k covers 1/N of it).
+the whole buffer: the worst case; with N ranks a rank's top-k covers 1/N of it). Each SCAPE arm
+runs with both top-k methods (``optimizer.topk_method``: exact, threshold); ``topk`` compares
+the two selections alone on the same scores: seconds, the k each chose, whether the sets agree
+above the k-th value and how many scores tie at it.
 
     python scripts/bench_optimizer.py [--numel 50000000] [--repeats 5] [--out file.json]
 """
@@ -25,6 +28,7 @@ import torch  # noqa: E402
 from core.optim import AdamS  # noqa: E402
 from scape.config import OptimizerConfig  # noqa: E402
 from scape.synchronizer import ScapeSynchronizer  # noqa: E402
+from scape.topk import TOPK_METHODS, topk_mask  # noqa: E402
 
 
 class FlatMatrix(torch.nn.Module):
@@ -65,9 +69,10 @@ class DenseAdamSArm:
 class ScapeArm:
     """One SCAPE step (one process: the collectives are no-ops) split by phase."""
 
-    def __init__(self, numel: int, sparsity: float, device: torch.device) -> None:
+    def __init__(self, numel: int, sparsity: float, device: torch.device, topk_method: str = "exact") -> None:
         self.sync = ScapeSynchronizer(FlatMatrix(numel, device),
-                                      OptimizerConfig(name="scape", sparsity=sparsity, lr=1e-3))
+                                      OptimizerConfig(name="scape", sparsity=sparsity, lr=1e-3,
+                                                      topk_method=topk_method))
         self.gen = torch.Generator(device=device).manual_seed(0)
         for _ in range(2):  # step 1 is dense, step 2 the first sparse one: not timed
             self.run(device)
@@ -85,6 +90,29 @@ class ScapeArm:
         timings["total"] = sum(timings[k] for k in ("reduce_gradients", "clip_gradients", "step",
                                                      "after_step"))
         return timings
+
+
+class TopkArm:
+    """The selection alone: both methods on one score vector of a trained SCAPE arm, same k."""
+
+    def __init__(self, arm: ScapeArm) -> None:
+        self.score = arm.sync.score.clone()
+        self.k = arm.sync.k_at(arm.sync.step_count + 1)
+        self.masks = {m: torch.empty_like(self.score, dtype=torch.bool) for m in TOPK_METHODS}
+        self.scratch = torch.empty_like(self.score, dtype=torch.bool)
+
+    def run(self, device: torch.device) -> Dict[str, float]:
+        times = {m: _timed(lambda m=m: topk_mask(self.score, self.k, self.masks[m], m, self.scratch), device)
+                 for m in TOPK_METHODS}
+        times.update({f"k_{m}": float(self.masks[m].sum()) for m in TOPK_METHODS})
+        # 50M fp32 scores repeat values, so the k-th value may be tied: the methods then agree on
+        # every entry above it, and choose different ones among the ties (threshold: lowest index)
+        kth = self.score[self.masks["threshold"]].min()
+        above = self.score > kth
+        times["same_set_above_kth"] = float(torch.equal(self.masks["exact"] & above,
+                                                        self.masks["threshold"] & above))
+        times["ties_at_kth"] = float((self.score == kth).sum())
+        return times
 
 
 def _summary(runs: List[Dict[str, float]]) -> Dict[str, Dict[str, float]]:
@@ -108,7 +136,10 @@ def main() -> None:
     torch.manual_seed(0)
     arms = {"dense_adams": DenseAdamSArm(args.numel, device),
             "scape90": ScapeArm(args.numel, 0.9, device),
-            "scape99": ScapeArm(args.numel, 0.99, device)}
+            "scape90_threshold": ScapeArm(args.numel, 0.9, device, "threshold"),
+            "scape99": ScapeArm(args.numel, 0.99, device),
+            "scape99_threshold": ScapeArm(args.numel, 0.99, device, "threshold")}
+    arms["topk90"], arms["topk99"] = TopkArm(arms["scape90"]), TopkArm(arms["scape99"])
     runs: Dict[str, List[Dict[str, float]]] = {name: [] for name in arms}
     for _ in range(args.repeats):  # interleaved, so a change in machine load hits every arm
         for name, arm in arms.items():
@@ -120,11 +151,17 @@ def main() -> None:
               "numel": args.numel, "repeats": args.repeats, "seconds": {}}
     dense = _summary(runs["dense_adams"])
     report["seconds"]["dense_adams"] = dense
-    for name in ("scape90", "scape99"):
+    for name in ("scape90", "scape90_threshold", "scape99", "scape99_threshold"):
         summary = _summary(runs[name])
         summary["k"] = arms[name].sync.k_at(arms[name].sync.step_count + 1)
         for stat in ("min", "median"):
             summary[f"ratio_vs_dense_adams_{stat}"] = summary[stat]["total"] / dense[stat]["step"]
+        report["seconds"][name] = summary
+    for name in ("topk90", "topk99"):
+        summary = _summary(runs[name])
+        summary["k"] = arms[name].k
+        for stat in ("min", "median"):
+            summary[f"speedup_threshold_vs_exact_{stat}"] = summary[stat]["exact"] / summary[stat]["threshold"]
         report["seconds"][name] = summary
     text = json.dumps(report, indent=1)
     print(text)

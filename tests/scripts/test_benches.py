@@ -1,0 +1,89 @@
+"""The benchmarks' own logic: bench_network's arms, time-to-loss bookkeeping and arguments;
+bench_optimizer's top-k comparison at a small size."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench_network = _load("bench_network")
+
+
+def _records():
+    steps = [{"step": s, "perf/step_time_s": 0.5, "comm/bytes_total": 100.0} for s in range(1, 11)]
+    vals = [{"step": 5, "val/loss": 3.0}, {"step": 10, "val/loss": 2.0}]
+    return steps + vals
+
+
+def test_time_to_loss_finds_the_first_validation_at_the_target_and_sums_to_it():
+    records = _records()
+    assert bench_network.first_at_target(records, 2.5) == 10
+    assert bench_network.first_at_target(records, 3.0) == 5
+    assert bench_network.first_at_target(records, 1.0) is None
+    assert bench_network.totals_to(records, 5) == {"steps": 5, "train_wall_s": 2.5, "bytes_per_rank": 500.0}
+
+
+def test_speedups_are_against_every_dense_arm_that_ran():
+    entry = {"adams": {"step_time_s": 1.0}, "adams_after_backward": {"step_time_s": 1.5},
+             "scape99": {"step_time_s": 0.25}}
+    got = bench_network.speedups(entry, ["adams", "adams_after_backward", "scape99"])
+    assert got == {"speedup_vs_adams": {"adams_after_backward": 0.67, "scape99": 4.0},
+                   "speedup_vs_adams_after_backward": {"adams": 1.5, "scape99": 6.0}}
+
+
+def test_dense_arms_name_their_grad_sync_and_scape_arms_compose():
+    from scape.config import OptimizerConfig
+    has_key = "grad_sync" in OptimizerConfig.__dataclass_fields__
+    after = bench_network.arm_overrides("adams_after_backward")
+    assert ("optimizer.grad_sync=after_backward" in after) == has_key
+    if has_key:
+        assert "optimizer.grad_sync=ddp" in bench_network.arm_overrides("adams")
+    else:  # before the overlapped dense all-reduce exists the baseline arm refuses by name
+        with pytest.raises(SystemExit, match="optimizer.grad_sync"):
+            bench_network.arm_overrides("adams")
+    from hydra import compose, initialize_config_dir
+    from trainer.config import register_configs
+    register_configs()
+    args = bench_network.parse_args(["--arms", "scape99"])
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        for arm in ("scape90_threshold", "scape99_no_overlap", "adams_after_backward"):
+            cfg = compose(config_name="config", overrides=[*bench_network.model_overrides(args),
+                                                           *bench_network.arm_overrides(arm)])
+            assert cfg.optimizer.name in ("scape", "adams")
+        assert cfg.train.global_batch_tokens == 2 * args.seq_len  # 64 tokens per rank, 2 ranks
+
+
+def test_time_to_loss_arguments_are_checked():
+    args = bench_network.parse_args(["--time-to-loss", "20", "--step-cap", "60"])
+    assert (args.steps, args.eval_every) == (60, 5)
+    with pytest.raises(SystemExit):
+        bench_network.parse_args(["--time-to-loss", "20", "--step-cap", "10"])
+    with pytest.raises(SystemExit):
+        bench_network.parse_args(["--time-to-loss", "22", "--step-cap", "60", "--eval-every", "5"])
+    with pytest.raises(SystemExit):
+        bench_network.parse_args(["--arms", "sgd"])
+
+
+def test_bench_optimizer_compares_both_topk_methods(tmp_path, monkeypatch):
+    out = tmp_path / "bench.json"
+    monkeypatch.setattr(sys, "argv", ["bench_optimizer.py", "--numel", "300000", "--repeats", "1",
+                                      "--threads", "1", "--out", str(out)])
+    _load("bench_optimizer").main()
+    report = json.loads(out.read_text())["seconds"]
+    for name, k in (("topk90", 30000), ("topk99", 3000)):
+        row = report[name]["min"]
+        # k = ceil(density * padded partition): a little above density * numel
+        assert k <= report[name]["k"] <= k + 8 and row["k_exact"] == row["k_threshold"] == report[name]["k"]
+        assert row["same_set_above_kth"] == 1.0 and row["ties_at_kth"] >= 1
+    assert {"scape90_threshold", "scape99_threshold"} <= set(report)
