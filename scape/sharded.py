@@ -59,6 +59,11 @@ class ShardedScapeSynchronizer(ScapeSynchronizer):
                              f"update=all moves every coordinate, so the sharded all-gather would be "
                              f"dense; set optimizer.shard=false for that ablation")
         super().__init__(model, cfg, num_partitions, residual_chunk_numel, comm)
+        # The masked values go to their owners by a reduce-scatter after backward; the overlap of
+        # replicated SCAPE's all-reduce with backward (optimizer.overlap_backward) does not apply.
+        if self.backward_overlap is not None:
+            self.backward_overlap.remove()
+            self.backward_overlap = None
 
     # --- the shard ---------------------------------------------------------------------------
     @property
