@@ -160,6 +160,11 @@ class HolderGroupSynchronizer(SubnetworkSynchronizer):
                 out[key] = float(sum(v * w for v, w in zip(values, weights)) / sum(weights))
         return out
 
+    def state_dict(self) -> Dict[str, Any]:
+        """Replicated: the plan only (each group's optimizer state is per group: local_state_dict;
+        the parent's moment records are for its one torch optimizer, which this class has not)."""
+        return {"sdp_plan": self.plan.to_json()}
+
     def local_state_dict(self) -> Dict[str, Any]:
         """Each group member's state: replicated within its group but not across the world, so
         every rank writes its own."""
