@@ -70,7 +70,7 @@ from scape import kernels
 from scape.accounting import VALUE_BYTES, scape_step_bytes
 from scape.config import OptimizerConfig
 from scape.masking import MaskedSynchronizer
-from scape.options import as_dataclass, validate_config
+from scape.options import as_dataclass, refuse_foreign_keys, validate_config
 
 NAME = "sparse_avg"
 # SCAPE keys that have no meaning here: a non-default value is an error, not silently ignored.
@@ -81,12 +81,7 @@ SCAPE_ONLY_KEYS = ("offload_residual", "lag", "update", "stale_scale_cap", "stal
 def validate_sparse_avg(cfg: OptimizerConfig) -> None:
     """SCAPE's checks of the shared keys, and no SCAPE-only key away from its default."""
     validate_config(cfg)
-    fields = OptimizerConfig.__dataclass_fields__
-    for key in SCAPE_ONLY_KEYS:
-        if key in fields and getattr(cfg, key) != fields[key].default:
-            raise ValueError(f"optimizer.{key}={getattr(cfg, key)!r} is a SCAPE option; "
-                             f"optimizer=sparse_avg does not use it (leave it at "
-                             f"{fields[key].default!r})")
+    refuse_foreign_keys(cfg, SCAPE_ONLY_KEYS, "a SCAPE", NAME)
 
 
 def sparse_avg_step_bytes(numel: int, world: int, sparsity: float, mask_transport: str = "auto",
@@ -127,6 +122,9 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         decay_numel = self._flatten(model, NAME, comm=comm)  # self.flat.data is y_i
         super().__init__(model, _LocalAdamS(self.flat.data, decay_numel, cfg), self.comm)
         self.consensus = self.flat.data.clone()  # x: every rank seeds identically, so y_i = x
+        self.outer_lr, self.outer_momentum = float(cfg.outer_lr), float(cfg.outer_momentum)
+        # the outer momentum u (replicated like x); None = plain averaging
+        self.outer_velocity = torch.zeros_like(self.consensus) if self.outer_momentum else None
         self.value_dtype = torch.bfloat16 if cfg.value_dtype == "bf16" else torch.float32
 
         self.step_count = 0  # steps completed
@@ -164,7 +162,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self._sent = count
         if not count:
             return
-        mean = payload[:count].float().div_(self.world)
+        mean = self._outer_step(payload[:count].float().div_(self.world), mask)
         if mask is None:
             x.add_(mean)
             if kept is None:
@@ -175,6 +173,22 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             x.index_add_(0, mask, mean)
             snapped = x.index_select(0, mask)
             kernels.scatter(y, mask, snapped if kept is None else snapped.add_(kept))
+
+    def _outer_step(self, mean_drift: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """The consensus increment on the exchanged coordinates (in place of ``mean_drift``).
+
+        DiLoCo's outer Nesterov step, per coordinate: the averaged drift is the outer "gradient";
+        u = mu u + delta, x += eta (delta + mu u). A coordinate's u moves only when it is exchanged,
+        so at 99% sparsity each coordinate sees an outer step about every 1/density steps (DiLoCo
+        with a per-coordinate H). eta = 1, mu = 0 is plain averaging, the default.
+        """
+        if self.outer_velocity is None:
+            return mean_drift.mul_(self.outer_lr) if self.outer_lr != 1.0 else mean_drift
+        u = self.outer_velocity if mask is None else self.outer_velocity.index_select(0, mask)
+        u.mul_(self.outer_momentum).add_(mean_drift)
+        if mask is not None:
+            kernels.scatter(self.outer_velocity, mask, u)
+        return mean_drift.add_(u, alpha=self.outer_momentum).mul_(self.outer_lr)
 
     @torch.no_grad()
     def clip_gradients(self, max_norm: float) -> float:
@@ -251,6 +265,8 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         state: Dict[str, Any] = {"optimizer": NAME, "step": self.step_count,
                                  "layout": self.masks.layout_record(),
                                  "consensus": self.consensus.detach().cpu().clone()}
+        if self.outer_velocity is not None:
+            state["outer_velocity"] = self.outer_velocity.detach().cpu().clone()
         state.update(self.masks.state_dict(self.step_count + 1))
         return state
 
@@ -261,6 +277,13 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self.masks.check_layout(state.get("layout"))
         self.masks.wait()
         self.consensus.copy_(state["consensus"])
+        if (self.outer_velocity is None) != ("outer_velocity" not in state):
+            written = "> 0" if "outer_velocity" in state else "= 0"
+            raise ValueError(f"this checkpoint was written with optimizer.outer_momentum {written}, "
+                             f"this run has optimizer.outer_momentum={self.outer_momentum}; resume "
+                             f"with the outer momentum that wrote it")
+        if self.outer_velocity is not None:
+            self.outer_velocity.copy_(state["outer_velocity"])
         self.step_count = int(state["step"])
         self.masks.load_state_dict(state)
 

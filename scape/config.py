@@ -29,3 +29,8 @@ class OptimizerConfig(DenseOptimizerConfig):
     lossless_clip: bool = False  # the part of ghat that clipping removes goes back to the residual
     base: str = "adams"  # adams | adamw
     score: str = "moment"  # moment | gradient
+    # --- sparse model averaging (optimizer=sparse_avg) only ---
+    # outer Nesterov step on the averaged drift (DiLoCo's outer optimizer, per coordinate, applied
+    # when the coordinate is exchanged); 1 and 0 = plain averaging
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0

@@ -110,13 +110,16 @@ _PARTS = {
     "clip": (("optimizer.lossless_clip=true",), "lossless clip"),
     "noclip": (("optimizer.grad_clip=0",), "no clipping"),
     "lr": (("optimizer.lr={n}",), "lr {n}"),
+    "om": (("optimizer.outer_momentum={n}",), "outer momentum {n}"),  # sparse_avg only
+    "olr": (("optimizer.outer_lr={n}",), "outer lr {n}"),  # sparse_avg only
 }
 
 
 def compose_arm(name: str) -> Optional[Arm]:
     """An arm named by its recipe, ``base+part+part...``: base scape90 / scape99 (the spec's rule at
     that sparsity), sma90 / sma99 (sparse model averaging) or adams / adamw; parts: post, capN /
-    lrsumN (catch-up capped at N; 0 = 1 / density), warmN, clip, noclip, lrX. None if the name is
+    lrsumN (catch-up capped at N; 0 = 1 / density), warmN, clip, noclip, lrX, and for sparse
+    averaging omX / olrX (outer Nesterov momentum / outer lr). None if the name is
     not of that form."""
     base, *parts = name.split("+")
     if not parts:

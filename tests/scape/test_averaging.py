@@ -54,7 +54,9 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
     size = flat.padded_numel // world
     b1, b2, eps, wd = cfg.betas[0], cfg.betas[1], cfg.eps, cfg.weight_decay
     rho, warm, dense_until = 1 - cfg.sparsity, cfg.sparsity_warmup_steps, cfg.dense_warmup_steps
+    eta, mu = cfg.outer_lr, cfg.outer_momentum
     x = flat.data.clone()
+    u = torch.zeros_like(x)  # outer (Nesterov) momentum
     ys = [x.clone() for _ in range(world)]
     ms = [torch.zeros_like(x) for _ in range(world)]
     mask, history = None, []
@@ -68,7 +70,9 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
             grads.append(flat.grad.clone())
         if t > 1:  # the exchange: average the drifts on the mask (everything while t <= W)
             sel = torch.arange(x.numel()) if t <= dense_until else mask
-            x[sel] += sum(y[sel] - x[sel] for y in ys) / world
+            delta = sum(y[sel] - x[sel] for y in ys) / world
+            u[sel] = mu * u[sel] + delta
+            x[sel] += eta * (delta + mu * u[sel])
             for y in ys:
                 y[sel] = x[sel]
         c = 1 - b1 ** t
@@ -89,7 +93,8 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
 
 
 REFERENCE_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.8, dense_warmup_steps=3, sparsity_warmup_steps=5),
-                     dict(sparsity=0.99, mask_transport="indices")]
+                     dict(sparsity=0.99, mask_transport="indices"),
+                     dict(sparsity=0.9, outer_lr=0.7, outer_momentum=0.9, sparsity_warmup_steps=4)]
 
 
 def _equals_reference(rank: int, world: int) -> None:
@@ -232,7 +237,8 @@ def test_averaged_model_is_the_mean_of_the_copies_and_training_weights_are_resto
 
 RESUME_CONFIGS = [(dict(sparsity=0.9), 4),
                   (dict(sparsity=0.99, value_dtype="bf16", sparsity_warmup_steps=5, dense_warmup_steps=3), 2),
-                  (dict(sparsity=0.99, value_dtype="bf16", sparsity_warmup_steps=5, dense_warmup_steps=3), 3)]
+                  (dict(sparsity=0.99, value_dtype="bf16", sparsity_warmup_steps=5, dense_warmup_steps=3), 3),
+                  (dict(sparsity=0.9, outer_lr=0.7, outer_momentum=0.9), 4)]
 
 
 def _resume(rank: int, world: int) -> None:
@@ -349,6 +355,10 @@ def test_settings_are_checked_and_the_builders_dispatch():
         SparseAverageSynchronizer(make_model(), avg_config(lag=False))
     with pytest.raises(ValueError, match="mask_transport"):
         SparseAverageSynchronizer(make_model(), avg_config(mask_transport="zip"))
+    with pytest.raises(ValueError, match="outer_momentum=1.0 must lie in"):
+        SparseAverageSynchronizer(make_model(), avg_config(outer_momentum=1.0))
+    with pytest.raises(ValueError, match="optimizer.outer_lr=0.7 is a sparse_avg option; optimizer=scape"):
+        scape.build_synchronizer(make_model(), avg_config(name="scape", outer_lr=0.7))
     cfg = Config(optimizer=avg_config(), sdp=SDPConfig(kind="block"), seed=0)
     with pytest.raises(ValueError, match="sparse_avg is not supported with SDP"):
         build_model_and_sync(cfg, torch.device("cpu"), Collectives())
