@@ -125,6 +125,14 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self.outer_lr, self.outer_momentum = float(cfg.outer_lr), float(cfg.outer_momentum)
         # the outer momentum u (replicated like x); None = plain averaging
         self.outer_velocity = torch.zeros_like(self.consensus) if self.outer_momentum else None
+        self.drift_score = cfg.drift_score
+        # drift_score=deviation: the consensus's drift per local step at each coordinate's last
+        # exchange, and that exchange's step (replicated: both follow from the all-reduced mean)
+        deviation = self.drift_score == "deviation"
+        self.consensus_rate = torch.zeros_like(self.consensus) if deviation else None
+        # step 1 counts as an exchange: every copy starts at x
+        self.last_exchange = torch.ones(self.consensus.numel(), dtype=torch.int32,
+                                        device=self.device) if deviation else None
         self.value_dtype = torch.bfloat16 if cfg.value_dtype == "bf16" else torch.float32
 
         self.step_count = 0  # steps completed
@@ -163,6 +171,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         if not count:
             return
         mean = self._outer_step(payload[:count].float().div_(self.world), mask)
+        self._record_rate(mean, mask, step)
         if mask is None:
             x.add_(mean)
             if kept is None:
@@ -190,6 +199,33 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             kernels.scatter(self.outer_velocity, mask, u)
         return mean_drift.add_(u, alpha=self.outer_momentum).mul_(self.outer_lr)
 
+    def _record_rate(self, increment: torch.Tensor, mask: Optional[torch.Tensor], step: int) -> None:
+        """drift_score=deviation: remember the consensus's drift per local step on the exchanged
+        coordinates (the drift exchanged at ``step`` built up over step - last local steps)."""
+        if self.consensus_rate is None:
+            return
+        last = self.last_exchange if mask is None else self.last_exchange.index_select(0, mask)
+        rate = increment / (step - last).clamp_(min=1).float()
+        if mask is None:
+            self.consensus_rate.copy_(rate)
+            self.last_exchange.fill_(step)
+        else:
+            kernels.scatter(self.consensus_rate, mask, rate)
+            self.last_exchange.index_fill_(0, mask, step)
+
+    def _score_drifts(self, following: int) -> None:
+        """This rank's score of its own partition(s) for the mask of step ``following``."""
+        own = slice(self.layout.owned_start, self.layout.owned_start + self.layout.owned_numel)
+        if self.drift_score == "random":  # the same draw on a resumed run: seeded by step and rank
+            generator = torch.Generator(device=self.device).manual_seed(1_000_003 * following + self.rank)
+            self.score.copy_(torch.rand(self.score.shape, generator=generator, device=self.device))
+            return
+        torch.sub(self.flat.data[own], self.consensus[own], out=self.score)
+        if self.consensus_rate is not None:  # minus what the consensus is predicted to do
+            age = (following - self.last_exchange[own]).float()
+            self.score.sub_(self.consensus_rate[own] * age)
+        self.score.abs_()
+
     @torch.no_grad()
     def clip_gradients(self, max_norm: float) -> float:
         """Clip this rank's gradient by its own norm; return the ranks' RMS norm (the same everywhere)."""
@@ -210,8 +246,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self.masks.overlap = None
         if self.is_dense(following):
             return
-        own = slice(self.layout.owned_start, self.layout.owned_start + self.layout.owned_numel)
-        torch.sub(self.flat.data[own], self.consensus[own], out=self.score).abs_()
+        self._score_drifts(following)
         # a mask loaded or waited for without a step since is not the one M_{t+1} follows
         self.masks.exchange(following, self.k_at(following), async_op=True,
                             overlap=self.mask_step == self.step_count)
@@ -267,6 +302,9 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
                                  "consensus": self.consensus.detach().cpu().clone()}
         if self.outer_velocity is not None:
             state["outer_velocity"] = self.outer_velocity.detach().cpu().clone()
+        if self.consensus_rate is not None:
+            state["consensus_rate"] = self.consensus_rate.detach().cpu().clone()
+            state["last_exchange"] = self.last_exchange.detach().cpu().clone()
         state.update(self.masks.state_dict(self.step_count + 1))
         return state
 
@@ -284,6 +322,12 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
                              f"with the outer momentum that wrote it")
         if self.outer_velocity is not None:
             self.outer_velocity.copy_(state["outer_velocity"])
+        if self.consensus_rate is not None:
+            if "consensus_rate" not in state:
+                raise ValueError("this checkpoint has no consensus drift rate: it was written with "
+                                 "another optimizer.drift_score; resume with the one that wrote it")
+            self.consensus_rate.copy_(state["consensus_rate"])
+            self.last_exchange.copy_(state["last_exchange"])
         self.step_count = int(state["step"])
         self.masks.load_state_dict(state)
 

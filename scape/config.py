@@ -34,3 +34,7 @@ class OptimizerConfig(DenseOptimizerConfig):
     # when the coordinate is exchanged); 1 and 0 = plain averaging
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
+    # what the owner ranks its drifts by: drift |y_i - x|; deviation |y_i - x - v age| (v: the
+    # consensus's drift per step at the coordinate's last exchange, so agreed movement scores
+    # low); random (uniform, the control)
+    drift_score: str = "drift"

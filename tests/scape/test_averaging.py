@@ -57,6 +57,7 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
     eta, mu = cfg.outer_lr, cfg.outer_momentum
     x = flat.data.clone()
     u = torch.zeros_like(x)  # outer (Nesterov) momentum
+    rate, last = torch.zeros_like(x), torch.ones_like(x)  # drift_score=deviation
     ys = [x.clone() for _ in range(world)]
     ms = [torch.zeros_like(x) for _ in range(world)]
     mask, history = None, []
@@ -73,6 +74,8 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
             delta = sum(y[sel] - x[sel] for y in ys) / world
             u[sel] = mu * u[sel] + delta
             x[sel] += eta * (delta + mu * u[sel])
+            rate[sel] = eta * (delta + mu * u[sel]) / (t - last[sel])
+            last[sel] = t
             for y in ys:
                 y[sel] = x[sel]
         c = 1 - b1 ** t
@@ -86,15 +89,26 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
         if t + 1 > dense_until:  # the next mask: top-k of |y_r - x| on partition r, by its owner
             density = rho ** ((t + 1) / warm) if warm and t + 1 < warm else rho
             k = max(1, min(size, math.ceil(round(density * size, 6))))
-            mask = torch.cat([torch.topk((ys[r] - x)[r * size:(r + 1) * size].abs(), k).indices
-                              + r * size for r in range(world)]).sort().values
+            scores = []
+            for r in range(world):
+                if cfg.drift_score == "random":
+                    scores.append(torch.rand(size, generator=torch.Generator().manual_seed(1_000_003 * (t + 1) + r)))
+                    continue
+                score = ys[r] - x
+                if cfg.drift_score == "deviation":
+                    score = score - rate * (t + 1 - last)
+                scores.append(score[r * size:(r + 1) * size].abs())
+            mask = torch.cat([torch.topk(score, k).indices + r * size
+                              for r, score in enumerate(scores)]).sort().values
         history.append((x.clone(), [y.clone() for y in ys]))
     return history
 
 
 REFERENCE_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.8, dense_warmup_steps=3, sparsity_warmup_steps=5),
                      dict(sparsity=0.99, mask_transport="indices"),
-                     dict(sparsity=0.9, outer_lr=0.7, outer_momentum=0.9, sparsity_warmup_steps=4)]
+                     dict(sparsity=0.9, outer_lr=0.7, outer_momentum=0.9, sparsity_warmup_steps=4),
+                     dict(sparsity=0.9, drift_score="deviation", dense_warmup_steps=2),
+                     dict(sparsity=0.9, drift_score="random")]
 
 
 def _equals_reference(rank: int, world: int) -> None:
@@ -238,7 +252,8 @@ def test_averaged_model_is_the_mean_of_the_copies_and_training_weights_are_resto
 RESUME_CONFIGS = [(dict(sparsity=0.9), 4),
                   (dict(sparsity=0.99, value_dtype="bf16", sparsity_warmup_steps=5, dense_warmup_steps=3), 2),
                   (dict(sparsity=0.99, value_dtype="bf16", sparsity_warmup_steps=5, dense_warmup_steps=3), 3),
-                  (dict(sparsity=0.9, outer_lr=0.7, outer_momentum=0.9), 4)]
+                  (dict(sparsity=0.9, outer_lr=0.7, outer_momentum=0.9), 4),
+                  (dict(sparsity=0.9, drift_score="deviation"), 3), (dict(sparsity=0.9, drift_score="random"), 3)]
 
 
 def _resume(rank: int, world: int) -> None:
