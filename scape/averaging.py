@@ -85,10 +85,13 @@ def validate_sparse_avg(cfg: OptimizerConfig) -> None:
 
 
 def sparse_avg_step_bytes(numel: int, world: int, sparsity: float, mask_transport: str = "auto",
-                          value_dtype: str = "fp32") -> Dict[str, float]:
-    """Bytes per rank of a sparse step: SCAPE's formula plus the one norm value in the payload."""
+                          value_dtype: str = "fp32", mask_rule: str = "drift") -> Dict[str, float]:
+    """Bytes per rank of a sparse step: SCAPE's formula plus the one norm value in the payload
+    (and no mask with ``mask_rule=cyclic``, which every rank computes alike)."""
     out = dict(scape_step_bytes(numel, world, sparsity, mask_transport, value_dtype))
     out["values"] += all_reduce_bytes(VALUE_BYTES[value_dtype], world)
+    if mask_rule == "cyclic":
+        out["mask"], out["transport"] = 0, "none"
     out["total"] = out["values"] + out["mask"]
     return out
 
@@ -125,14 +128,19 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self.outer_lr, self.outer_momentum = float(cfg.outer_lr), float(cfg.outer_momentum)
         # the outer momentum u (replicated like x); None = plain averaging
         self.outer_velocity = torch.zeros_like(self.consensus) if self.outer_momentum else None
-        self.drift_score = cfg.drift_score
-        # drift_score=deviation: the consensus's drift per local step at each coordinate's last
+        self.mask_rule = cfg.mask_rule
+        # mask_rule=deviation: the consensus's drift per local step at each coordinate's last
         # exchange, and that exchange's step (replicated: both follow from the all-reduced mean)
-        deviation = self.drift_score == "deviation"
+        deviation = self.mask_rule == "deviation"
         self.consensus_rate = torch.zeros_like(self.consensus) if deviation else None
         # step 1 counts as an exchange: every copy starts at x
         self.last_exchange = torch.ones(self.consensus.numel(), dtype=torch.int32,
                                         device=self.device) if deviation else None
+        # mask_rule=cyclic: one fixed permutation of a partition's offsets (the same on every
+        # rank and for every partition) and how far along it the masks have come
+        self.cycle_order = torch.randperm(self.layout.partition_size, generator=torch.Generator().manual_seed(0)
+                                          ).to(self.device) if self.mask_rule == "cyclic" else None
+        self.cycle_position = 0
         self.value_dtype = torch.bfloat16 if cfg.value_dtype == "bf16" else torch.float32
 
         self.step_count = 0  # steps completed
@@ -200,7 +208,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         return mean_drift.add_(u, alpha=self.outer_momentum).mul_(self.outer_lr)
 
     def _record_rate(self, increment: torch.Tensor, mask: Optional[torch.Tensor], step: int) -> None:
-        """drift_score=deviation: remember the consensus's drift per local step on the exchanged
+        """mask_rule=deviation: remember the consensus's drift per local step on the exchanged
         coordinates (the drift exchanged at ``step`` built up over step - last local steps)."""
         if self.consensus_rate is None:
             return
@@ -213,10 +221,23 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             kernels.scatter(self.consensus_rate, mask, rate)
             self.last_exchange.index_fill_(0, mask, step)
 
+    def _cyclic_mask(self, k: int) -> torch.Tensor:
+        """The next k offsets of the permutation in every partition, as ascending flat indices.
+
+        Every coordinate is exchanged once every size / k steps (in steady state), the same
+        period for all: no coordinate waits longer than that, as it can with a score or a draw.
+        """
+        size = self.layout.partition_size
+        window = (self.cycle_position + torch.arange(k, device=self.device)) % size
+        offsets = self.cycle_order.index_select(0, window).sort().values
+        self.cycle_position = (self.cycle_position + k) % size
+        starts = torch.arange(self.layout.num_partitions, device=self.device) * size
+        return (starts[:, None] + offsets[None, :]).reshape(-1)
+
     def _score_drifts(self, following: int) -> None:
         """This rank's score of its own partition(s) for the mask of step ``following``."""
         own = slice(self.layout.owned_start, self.layout.owned_start + self.layout.owned_numel)
-        if self.drift_score == "random":  # the same draw on a resumed run: seeded by step and rank
+        if self.mask_rule == "random":  # the same draw on a resumed run: seeded by step and rank
             generator = torch.Generator(device=self.device).manual_seed(1_000_003 * following + self.rank)
             self.score.copy_(torch.rand(self.score.shape, generator=generator, device=self.device))
             return
@@ -245,6 +266,10 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         following = self.step_count + 1
         self.masks.overlap = None
         if self.is_dense(following):
+            return
+        if self.cycle_order is not None:
+            k = self.k_at(following)
+            self.masks.hold(following, self._cyclic_mask(k), k)
             return
         self._score_drifts(following)
         # a mask loaded or waited for without a step since is not the one M_{t+1} follows
@@ -302,6 +327,8 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
                                  "consensus": self.consensus.detach().cpu().clone()}
         if self.outer_velocity is not None:
             state["outer_velocity"] = self.outer_velocity.detach().cpu().clone()
+        if self.cycle_order is not None:
+            state["cycle_position"] = self.cycle_position
         if self.consensus_rate is not None:
             state["consensus_rate"] = self.consensus_rate.detach().cpu().clone()
             state["last_exchange"] = self.last_exchange.detach().cpu().clone()
@@ -322,10 +349,15 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
                              f"with the outer momentum that wrote it")
         if self.outer_velocity is not None:
             self.outer_velocity.copy_(state["outer_velocity"])
+        if self.cycle_order is not None:
+            if "cycle_position" not in state:
+                raise ValueError("this checkpoint has no cyclic mask position: it was written with "
+                                 "another optimizer.mask_rule; resume with the one that wrote it")
+            self.cycle_position = int(state["cycle_position"])
         if self.consensus_rate is not None:
             if "consensus_rate" not in state:
                 raise ValueError("this checkpoint has no consensus drift rate: it was written with "
-                                 "another optimizer.drift_score; resume with the one that wrote it")
+                                 "another optimizer.mask_rule; resume with the one that wrote it")
             self.consensus_rate.copy_(state["consensus_rate"])
             self.last_exchange.copy_(state["last_exchange"])
         self.step_count = int(state["step"])

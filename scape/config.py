@@ -34,7 +34,9 @@ class OptimizerConfig(DenseOptimizerConfig):
     # when the coordinate is exchanged); 1 and 0 = plain averaging
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
-    # what the owner ranks its drifts by: drift |y_i - x|; deviation |y_i - x - v age| (v: the
-    # consensus's drift per step at the coordinate's last exchange, so agreed movement scores
-    # low); random (uniform, the control)
-    drift_score: str = "drift"
+    # how the exchanged coordinates are chosen: the owner's top-k of drift |y_i - x| or of
+    # deviation |y_i - x - v age| (v: the consensus's drift per step at the coordinate's last
+    # exchange, so agreed movement scores low), or a uniform draw (random), each all-gathered;
+    # cyclic: every rank walks the same fixed permutation of each partition, k a step, so no
+    # mask crosses the network
+    mask_rule: str = "drift"

@@ -44,8 +44,8 @@ def as_dataclass(cfg) -> OptimizerConfig:
 
 
 # keys that only optimizer=sparse_avg reads (scape/averaging.py has the list the other way round)
-SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "drift_score")
-DRIFT_SCORES = ("drift", "deviation", "random")
+SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule")
+MASK_RULES = ("drift", "deviation", "random", "cyclic")
 
 
 def refuse_foreign_keys(cfg: OptimizerConfig, keys, owner: str, here: str) -> None:
@@ -90,7 +90,7 @@ def validate_config(cfg: OptimizerConfig) -> None:
     if not (isinstance(cfg.outer_momentum, (int, float)) and 0 <= cfg.outer_momentum < 1):
         raise ValueError(f"optimizer.outer_momentum={cfg.outer_momentum!r} must lie in [0, 1) "
                          f"(0 = plain averaging)")
-    _choice("drift_score", cfg.drift_score, DRIFT_SCORES)
+    _choice("mask_rule", cfg.mask_rule, MASK_RULES)
     b1, b2 = cfg.betas
     if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
         raise ValueError(f"optimizer.betas={list(cfg.betas)} must lie in [0, 1)")

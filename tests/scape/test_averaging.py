@@ -57,7 +57,8 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
     eta, mu = cfg.outer_lr, cfg.outer_momentum
     x = flat.data.clone()
     u = torch.zeros_like(x)  # outer (Nesterov) momentum
-    rate, last = torch.zeros_like(x), torch.ones_like(x)  # drift_score=deviation
+    rate, last = torch.zeros_like(x), torch.ones_like(x)  # mask_rule=deviation
+    order, position = torch.randperm(size, generator=torch.Generator().manual_seed(0)), 0  # cyclic
     ys = [x.clone() for _ in range(world)]
     ms = [torch.zeros_like(x) for _ in range(world)]
     mask, history = None, []
@@ -89,13 +90,19 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
         if t + 1 > dense_until:  # the next mask: top-k of |y_r - x| on partition r, by its owner
             density = rho ** ((t + 1) / warm) if warm and t + 1 < warm else rho
             k = max(1, min(size, math.ceil(round(density * size, 6))))
+            if cfg.mask_rule == "cyclic":  # the same window of one permutation in every partition
+                window = order[[(position + j) % size for j in range(k)]]
+                position = (position + k) % size
+                mask = torch.cat([window + r * size for r in range(world)]).sort().values
+                history.append((x.clone(), [y.clone() for y in ys]))
+                continue
             scores = []
             for r in range(world):
-                if cfg.drift_score == "random":
+                if cfg.mask_rule == "random":
                     scores.append(torch.rand(size, generator=torch.Generator().manual_seed(1_000_003 * (t + 1) + r)))
                     continue
                 score = ys[r] - x
-                if cfg.drift_score == "deviation":
+                if cfg.mask_rule == "deviation":
                     score = score - rate * (t + 1 - last)
                 scores.append(score[r * size:(r + 1) * size].abs())
             mask = torch.cat([torch.topk(score, k).indices + r * size
@@ -107,8 +114,9 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
 REFERENCE_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.8, dense_warmup_steps=3, sparsity_warmup_steps=5),
                      dict(sparsity=0.99, mask_transport="indices"),
                      dict(sparsity=0.9, outer_lr=0.7, outer_momentum=0.9, sparsity_warmup_steps=4),
-                     dict(sparsity=0.9, drift_score="deviation", dense_warmup_steps=2),
-                     dict(sparsity=0.9, drift_score="random")]
+                     dict(sparsity=0.9, mask_rule="deviation", dense_warmup_steps=2),
+                     dict(sparsity=0.9, mask_rule="random"),
+                     dict(sparsity=0.8, mask_rule="cyclic", sparsity_warmup_steps=5)]
 
 
 def _equals_reference(rank: int, world: int) -> None:
@@ -253,7 +261,8 @@ RESUME_CONFIGS = [(dict(sparsity=0.9), 4),
                   (dict(sparsity=0.99, value_dtype="bf16", sparsity_warmup_steps=5, dense_warmup_steps=3), 2),
                   (dict(sparsity=0.99, value_dtype="bf16", sparsity_warmup_steps=5, dense_warmup_steps=3), 3),
                   (dict(sparsity=0.9, outer_lr=0.7, outer_momentum=0.9), 4),
-                  (dict(sparsity=0.9, drift_score="deviation"), 3), (dict(sparsity=0.9, drift_score="random"), 3)]
+                  (dict(sparsity=0.9, mask_rule="deviation"), 3), (dict(sparsity=0.9, mask_rule="random"), 3),
+                  (dict(sparsity=0.8, mask_rule="cyclic"), 3)]
 
 
 def _resume(rank: int, world: int) -> None:
@@ -285,7 +294,7 @@ def test_exact_resume_through_the_state_dicts():
 
 def _bytes(rank: int, world: int) -> None:
     for overrides in (dict(sparsity=0.99, mask_transport="indices"), dict(sparsity=0.9, mask_transport="bitmap"),
-                      dict(sparsity=0.99, value_dtype="bf16")):
+                      dict(sparsity=0.99, value_dtype="bf16"), dict(sparsity=0.9, mask_rule="cyclic")):
         cfg = avg_config(**overrides)
         model = make_model()
         sync = SparseAverageSynchronizer(model, cfg)
@@ -293,17 +302,19 @@ def _bytes(rank: int, world: int) -> None:
         train(model, sync, 4, rank, before_reduce=lambda step: sync.comm.counter.reset(),
               after=lambda step: counted.__setitem__(step, dict(sync.comm.counter.bytes)))
         formula = sparse_avg_step_bytes(sync.layout.numel, world, cfg.sparsity, cfg.mask_transport,
-                                        cfg.value_dtype)
+                                        cfg.value_dtype, cfg.mask_rule)
         s = 2 if cfg.value_dtype == "bf16" else 4
+        cyclic = cfg.mask_rule == "cyclic"  # no mask crosses the network
         assert counted[1]["scape_values"] == all_reduce_bytes(s, world)  # step 1: the norm only
-        assert counted[1]["scape_mask"] == formula["mask"]
+        assert counted[1].get("scape_mask", 0) == formula["mask"] and (formula["mask"] == 0) == cyclic
         for step in (2, 3, 4):
-            assert counted[step] == {"scape_values": formula["values"], "scape_mask": formula["mask"]}
+            expected = {"scape_values": formula["values"], **({} if cyclic else {"scape_mask": formula["mask"]})}
+            assert counted[step] == expected
         assert formula["values"] == all_reduce_bytes((world * formula["k"] + 1) * s, world)
         metrics = sync.metrics()
         assert metrics["scape/density"] == world * formula["k"] / sync.layout.padded_numel
         assert metrics["scape/dense_step"] == 0.0 and metrics["scape/drift_norm"] > 0
-        assert 0.0 <= metrics["scape/mask_overlap"] <= 1.0
+        assert cyclic or 0.0 <= metrics["scape/mask_overlap"] <= 1.0
         assert {"scape/time_topk_s", "scape/time_pack_s", "scape/time_wait_s",
                 "scape/local_grad_norm"} <= set(metrics)
         sync.comm.counter.reset()
