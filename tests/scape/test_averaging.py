@@ -412,8 +412,9 @@ def test_train_py_two_processes_with_sparse_avg(tmp_path, prepared_cache):
     assert [r["step"] for r in records if "val/loss" in r] == [3, 6]
     steps = {r["step"]: r for r in records if "train/loss" in r}
     for key in ("scape/density", "scape/drift_norm", "scape/dense_step", "comm/bytes_scape_values",
-                "comm/bytes_scape_mask", "comm/compression"):
+                "comm/compression"):
         assert key in steps[4], key
+    assert "comm/bytes_scape_mask" not in steps[4]  # the default mask rule (cyclic) sends no mask
     assert steps[1]["scape/density"] == 0.0 and 0 < steps[4]["scape/density"] < 0.2
     assert steps[4]["comm/compression"] > 2
     straight, split = train_losses(run), train_losses(tmp_path / "split")
