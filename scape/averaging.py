@@ -74,7 +74,7 @@ from scape import kernels
 from scape.accounting import VALUE_BYTES, scape_step_bytes
 from scape.config import OptimizerConfig
 from scape.masking import MaskedSynchronizer
-from scape.options import as_dataclass, validate_config
+from scape.options import as_dataclass, refuse_foreign_keys, validate_config
 
 NAME = "sparse_avg"
 # SCAPE keys that have no meaning here: a non-default value is an error, not silently ignored.
@@ -85,19 +85,17 @@ SCAPE_ONLY_KEYS = ("offload_residual", "lag", "overlap_backward", "update", "sta
 def validate_sparse_avg(cfg: OptimizerConfig) -> None:
     """SCAPE's checks of the shared keys, and no SCAPE-only key away from its default."""
     validate_config(cfg)
-    fields = OptimizerConfig.__dataclass_fields__
-    for key in SCAPE_ONLY_KEYS:
-        if key in fields and getattr(cfg, key) != fields[key].default:
-            raise ValueError(f"optimizer.{key}={getattr(cfg, key)!r} is a SCAPE option; "
-                             f"optimizer=sparse_avg does not use it (leave it at "
-                             f"{fields[key].default!r})")
+    refuse_foreign_keys(cfg, SCAPE_ONLY_KEYS, "a SCAPE", NAME)
 
 
 def sparse_avg_step_bytes(numel: int, world: int, sparsity: float, mask_transport: str = "auto",
-                          value_dtype: str = "fp32") -> Dict[str, float]:
-    """Bytes per rank of a sparse step: SCAPE's formula plus the one norm value in the payload."""
+                          value_dtype: str = "fp32", mask_rule: str = "drift") -> Dict[str, float]:
+    """Bytes per rank of a sparse step: SCAPE's formula plus the one norm value in the payload
+    (and no mask with ``mask_rule=cyclic``, which every rank computes alike)."""
     out = dict(scape_step_bytes(numel, world, sparsity, mask_transport, value_dtype))
     out["values"] += all_reduce_bytes(VALUE_BYTES[value_dtype], world)
+    if mask_rule == "cyclic":
+        out["mask"], out["transport"] = 0, "none"
     out["total"] = out["values"] + out["mask"]
     return out
 
@@ -131,6 +129,22 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         decay_numel = self._flatten(model, NAME, comm=comm)  # self.flat.data is y_i
         super().__init__(model, _LocalAdamS(self.flat.data, decay_numel, cfg), self.comm)
         self.consensus = self.flat.data.clone()  # x: every rank seeds identically, so y_i = x
+        self.outer_lr, self.outer_momentum = float(cfg.outer_lr), float(cfg.outer_momentum)
+        # the outer momentum u (replicated like x); None = plain averaging
+        self.outer_velocity = torch.zeros_like(self.consensus) if self.outer_momentum else None
+        self.mask_rule = cfg.mask_rule
+        # mask_rule=deviation: the consensus's drift per local step at each coordinate's last
+        # exchange, and that exchange's step (replicated: both follow from the all-reduced mean)
+        deviation = self.mask_rule == "deviation"
+        self.consensus_rate = torch.zeros_like(self.consensus) if deviation else None
+        # step 1 counts as an exchange: every copy starts at x
+        self.last_exchange = torch.ones(self.consensus.numel(), dtype=torch.int32,
+                                        device=self.device) if deviation else None
+        # mask_rule=cyclic: one fixed permutation of a partition's offsets (the same on every
+        # rank and for every partition) and how far along it the masks have come
+        self.cycle_order = torch.randperm(self.layout.partition_size, generator=torch.Generator().manual_seed(0)
+                                          ).to(self.device) if self.mask_rule == "cyclic" else None
+        self.cycle_position = 0
         self.value_dtype = torch.bfloat16 if cfg.value_dtype == "bf16" else torch.float32
 
         self.step_count = 0  # steps completed
@@ -168,7 +182,8 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self._sent = count
         if not count:
             return
-        mean = payload[:count].float().div_(self.world)
+        mean = self._outer_step(payload[:count].float().div_(self.world), mask)
+        self._record_rate(mean, mask, step)
         if mask is None:
             x.add_(mean)
             if kept is None:
@@ -179,6 +194,62 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             x.index_add_(0, mask, mean)
             snapped = x.index_select(0, mask)
             kernels.scatter(y, mask, snapped if kept is None else snapped.add_(kept))
+
+    def _outer_step(self, mean_drift: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """The consensus increment on the exchanged coordinates (in place of ``mean_drift``).
+
+        DiLoCo's outer Nesterov step, per coordinate: the averaged drift is the outer "gradient";
+        u = mu u + delta, x += eta (delta + mu u). A coordinate's u moves only when it is exchanged,
+        so at 99% sparsity each coordinate sees an outer step about every 1/density steps (DiLoCo
+        with a per-coordinate H). eta = 1, mu = 0 is plain averaging, the default.
+        """
+        if self.outer_velocity is None:
+            return mean_drift.mul_(self.outer_lr) if self.outer_lr != 1.0 else mean_drift
+        u = self.outer_velocity if mask is None else self.outer_velocity.index_select(0, mask)
+        u.mul_(self.outer_momentum).add_(mean_drift)
+        if mask is not None:
+            kernels.scatter(self.outer_velocity, mask, u)
+        return mean_drift.add_(u, alpha=self.outer_momentum).mul_(self.outer_lr)
+
+    def _record_rate(self, increment: torch.Tensor, mask: Optional[torch.Tensor], step: int) -> None:
+        """mask_rule=deviation: remember the consensus's drift per local step on the exchanged
+        coordinates (the drift exchanged at ``step`` built up over step - last local steps)."""
+        if self.consensus_rate is None:
+            return
+        last = self.last_exchange if mask is None else self.last_exchange.index_select(0, mask)
+        rate = increment / (step - last).clamp_(min=1).float()
+        if mask is None:
+            self.consensus_rate.copy_(rate)
+            self.last_exchange.fill_(step)
+        else:
+            kernels.scatter(self.consensus_rate, mask, rate)
+            self.last_exchange.index_fill_(0, mask, step)
+
+    def _cyclic_mask(self, k: int) -> torch.Tensor:
+        """The next k offsets of the permutation in every partition, as ascending flat indices.
+
+        Every coordinate is exchanged once every size / k steps (in steady state), the same
+        period for all: no coordinate waits longer than that, as it can with a score or a draw.
+        """
+        size = self.layout.partition_size
+        window = (self.cycle_position + torch.arange(k, device=self.device)) % size
+        offsets = self.cycle_order.index_select(0, window).sort().values
+        self.cycle_position = (self.cycle_position + k) % size
+        starts = torch.arange(self.layout.num_partitions, device=self.device) * size
+        return (starts[:, None] + offsets[None, :]).reshape(-1)
+
+    def _score_drifts(self, following: int) -> None:
+        """This rank's score of its own partition(s) for the mask of step ``following``."""
+        own = slice(self.layout.owned_start, self.layout.owned_start + self.layout.owned_numel)
+        if self.mask_rule == "random":  # the same draw on a resumed run: seeded by step and rank
+            generator = torch.Generator(device=self.device).manual_seed(1_000_003 * following + self.rank)
+            self.score.copy_(torch.rand(self.score.shape, generator=generator, device=self.device))
+            return
+        torch.sub(self.flat.data[own], self.consensus[own], out=self.score)
+        if self.consensus_rate is not None:  # minus what the consensus is predicted to do
+            age = (following - self.last_exchange[own]).float()
+            self.score.sub_(self.consensus_rate[own] * age)
+        self.score.abs_()
 
     @torch.no_grad()
     def clip_gradients(self, max_norm: float) -> float:
@@ -200,8 +271,11 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self.masks.overlap = None
         if self.is_dense(following):
             return
-        own = slice(self.layout.owned_start, self.layout.owned_start + self.layout.owned_numel)
-        torch.sub(self.flat.data[own], self.consensus[own], out=self.score).abs_()
+        if self.cycle_order is not None:
+            k = self.k_at(following)
+            self.masks.hold(following, self._cyclic_mask(k), k)
+            return
+        self._score_drifts(following)
         # a mask loaded or waited for without a step since is not the one M_{t+1} follows
         self.masks.exchange(following, self.k_at(following), async_op=True,
                             overlap=self.mask_step == self.step_count)
@@ -255,6 +329,13 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         state: Dict[str, Any] = {"optimizer": NAME, "step": self.step_count,
                                  "layout": self.masks.layout_record(),
                                  "consensus": self.consensus.detach().cpu().clone()}
+        if self.outer_velocity is not None:
+            state["outer_velocity"] = self.outer_velocity.detach().cpu().clone()
+        if self.cycle_order is not None:
+            state["cycle_position"] = self.cycle_position
+        if self.consensus_rate is not None:
+            state["consensus_rate"] = self.consensus_rate.detach().cpu().clone()
+            state["last_exchange"] = self.last_exchange.detach().cpu().clone()
         state.update(self.masks.state_dict(self.step_count + 1))
         return state
 
@@ -265,6 +346,24 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self.masks.check_layout(state.get("layout"))
         self.masks.wait()
         self.consensus.copy_(state["consensus"])
+        if (self.outer_velocity is None) != ("outer_velocity" not in state):
+            written = "> 0" if "outer_velocity" in state else "= 0"
+            raise ValueError(f"this checkpoint was written with optimizer.outer_momentum {written}, "
+                             f"this run has optimizer.outer_momentum={self.outer_momentum}; resume "
+                             f"with the outer momentum that wrote it")
+        if self.outer_velocity is not None:
+            self.outer_velocity.copy_(state["outer_velocity"])
+        if self.cycle_order is not None:
+            if "cycle_position" not in state:
+                raise ValueError("this checkpoint has no cyclic mask position: it was written with "
+                                 "another optimizer.mask_rule; resume with the one that wrote it")
+            self.cycle_position = int(state["cycle_position"])
+        if self.consensus_rate is not None:
+            if "consensus_rate" not in state:
+                raise ValueError("this checkpoint has no consensus drift rate: it was written with "
+                                 "another optimizer.mask_rule; resume with the one that wrote it")
+            self.consensus_rate.copy_(state["consensus_rate"])
+            self.last_exchange.copy_(state["last_exchange"])
         self.step_count = int(state["step"])
         self.masks.load_state_dict(state)
 

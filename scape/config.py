@@ -31,3 +31,14 @@ class OptimizerConfig(DenseOptimizerConfig):
     lossless_clip: bool = False  # the part of ghat that clipping removes goes back to the residual
     base: str = "adams"  # adams | adamw
     score: str = "moment"  # moment | gradient
+    # --- sparse model averaging (optimizer=sparse_avg) only ---
+    # outer Nesterov step on the averaged drift (DiLoCo's outer optimizer, per coordinate, applied
+    # when the coordinate is exchanged); 1 and 0 = plain averaging
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+    # how the exchanged coordinates are chosen: the owner's top-k of drift |y_i - x| or of
+    # deviation |y_i - x - v age| (v: the consensus's drift per step at the coordinate's last
+    # exchange, so agreed movement scores low), or a uniform draw (random), each all-gathered;
+    # cyclic: every rank walks the same fixed permutation of each partition, k a step, so no
+    # mask crosses the network
+    mask_rule: str = "drift"

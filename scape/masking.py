@@ -144,6 +144,11 @@ class MaskExchange:
                                          pending.k)
         self.step, self.k = pending.step, pending.k
 
+    def hold(self, step: int, mask: torch.Tensor, k: int) -> None:
+        """Hold a mask every rank computed alike (nothing to exchange): ascending, k per partition."""
+        self.wait()
+        self.mask, self.step, self.k = mask, step, k
+
     def mask_for(self, step: int) -> torch.Tensor:
         self.wait()
         if self.mask is None or self.step != step:

@@ -44,6 +44,20 @@ def as_dataclass(cfg) -> OptimizerConfig:
     raise TypeError(f"expected an OptimizerConfig, got {type(cfg).__name__}")
 
 
+# keys that only optimizer=sparse_avg reads (scape/averaging.py has the list the other way round)
+SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule")
+MASK_RULES = ("drift", "deviation", "random", "cyclic")
+
+
+def refuse_foreign_keys(cfg: OptimizerConfig, keys, owner: str, here: str) -> None:
+    """A key another optimizer reads, set away from its default here, is an error, not ignored."""
+    fields = OptimizerConfig.__dataclass_fields__
+    for key in keys:
+        if key in fields and getattr(cfg, key) != fields[key].default:
+            raise ValueError(f"optimizer.{key}={getattr(cfg, key)!r} is {owner} option; "
+                             f"optimizer={here} does not use it (leave it at {fields[key].default!r})")
+
+
 def validate_config(cfg: OptimizerConfig) -> None:
     sparsity = cfg.sparsity
     if not (isinstance(sparsity, (int, float)) and 0.0 <= sparsity < 1.0):
@@ -74,6 +88,12 @@ def validate_config(cfg: OptimizerConfig) -> None:
     if cap != 1 and cfg.update != "lazy":
         raise ValueError(f"optimizer.stale_scale_cap={cfg.stale_scale_cap} scales lazy updates only; "
                          f"it needs optimizer.update=lazy, got {cfg.update!r}")
+    if not (isinstance(cfg.outer_lr, (int, float)) and cfg.outer_lr > 0):
+        raise ValueError(f"optimizer.outer_lr={cfg.outer_lr!r} must be a number > 0 (1 = plain averaging)")
+    if not (isinstance(cfg.outer_momentum, (int, float)) and 0 <= cfg.outer_momentum < 1):
+        raise ValueError(f"optimizer.outer_momentum={cfg.outer_momentum!r} must lie in [0, 1) "
+                         f"(0 = plain averaging)")
+    _choice("mask_rule", cfg.mask_rule, MASK_RULES)
     b1, b2 = cfg.betas
     if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
         raise ValueError(f"optimizer.betas={list(cfg.betas)} must lie in [0, 1)")

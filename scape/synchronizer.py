@@ -29,7 +29,7 @@ from core.comm import Collectives
 from scape import kernels
 from scape.config import OptimizerConfig
 from scape.masking import MaskedSynchronizer
-from scape.options import as_dataclass, validate_config
+from scape.options import SPARSE_AVG_ONLY_KEYS, as_dataclass, refuse_foreign_keys, validate_config
 from scape.overlap import BUCKET_NUMEL, OverlappedValues
 from scape.residual import DEFAULT_CHUNK_NUMEL, Residual
 from scape.update import ScapeOptimizer
@@ -49,6 +49,7 @@ class ScapeSynchronizer(MaskedSynchronizer):
                  overlap_bucket_numel: int = BUCKET_NUMEL) -> None:
         cfg = as_dataclass(cfg)
         validate_config(cfg)
+        refuse_foreign_keys(cfg, SPARSE_AVG_ONLY_KEYS, "a sparse_avg", "scape")
         self.cfg = cfg
         self.beta1, self.beta2 = float(cfg.betas[0]), float(cfg.betas[1])
         decay_numel = self._flatten(model, "SCAPE", num_partitions, comm)

@@ -97,7 +97,8 @@ for _pct, _sparsity in (("90", "0.9"), ("99", "0.99")):
                                     "docs/specs/SCAPE.md as written: pre-send score, no catch-up, no warm-up", False)
     ARMS[f"sma{_pct}"] = Arm(f"sma{_pct}", f"sparse model averaging, {_pct}%",
                              ("optimizer=sparse_avg", f"optimizer.sparsity={_sparsity}"),
-                             "local AdamS per rank; the k largest drifts per partition averaged each step", False)
+                             "local AdamS per rank; k drifts per partition averaged each step, on a fixed "
+                             "cycle (no mask sent), in bf16", False)
 ARMS["sma0"] = Arm("sma0", "sparse model averaging, density 1", ("optimizer=sparse_avg", "optimizer.sparsity=0.0"),
                    "every drift averaged every step: what local AdamS + averaging costs without sparsity", False)
 
@@ -113,13 +114,24 @@ _PARTS = {
     "clip": (("optimizer.lossless_clip=true",), "lossless clip"),
     "noclip": (("optimizer.grad_clip=0",), "no clipping"),
     "lr": (("optimizer.lr={n}",), "lr {n}"),
+    "om": (("optimizer.outer_momentum={n}",), "outer momentum {n}"),  # sparse_avg only
+    "olr": (("optimizer.outer_lr={n}",), "outer lr {n}"),  # sparse_avg only
+    "dev": (("optimizer.mask_rule=deviation",), "deviation score"),  # sparse_avg only
+    "rand": (("optimizer.mask_rule=random",), "random mask"),  # sparse_avg only
+    "cyc": (("optimizer.mask_rule=cyclic",), "cyclic mask (none sent)"),  # sparse_avg only
+    "sp": (("optimizer.sparsity={n}",), "sparsity {n}"),
+    "bfloat": (("optimizer.value_dtype=bf16",), "bf16 values"),
+    # sparse_avg's rule before the mask-rule study: the owner's top-k drifts, fp32 values
+    "topk": (("optimizer.mask_rule=drift", "optimizer.value_dtype=fp32"), "top-k drift mask, fp32 values"),
 }
 
 
 def compose_arm(name: str) -> Optional[Arm]:
     """An arm named by its recipe, ``base+part+part...``: base scape90 / scape99 (the spec's rule at
     that sparsity), sma90 / sma99 (sparse model averaging) or adams / adamw; parts: post, capN /
-    lrsumN (catch-up capped at N; 0 = 1 / density), warmN, clip, noclip, lrX. None if the name is
+    lrsumN (catch-up capped at N; 0 = 1 / density), warmN, clip, noclip, lrX, and for sparse
+    averaging omX / olrX (outer Nesterov momentum / outer lr), dev / rand / cyc / topk (mask rule); spX sets the sparsity, bfloat the
+    value dtype. None if the name is
     not of that form."""
     base, *parts = name.split("+")
     if not parts:

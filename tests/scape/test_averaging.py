@@ -54,7 +54,11 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
     size = flat.padded_numel // world
     b1, b2, eps, wd = cfg.betas[0], cfg.betas[1], cfg.eps, cfg.weight_decay
     rho, warm, dense_until = 1 - cfg.sparsity, cfg.sparsity_warmup_steps, cfg.dense_warmup_steps
+    eta, mu = cfg.outer_lr, cfg.outer_momentum
     x = flat.data.clone()
+    u = torch.zeros_like(x)  # outer (Nesterov) momentum
+    rate, last = torch.zeros_like(x), torch.ones_like(x)  # mask_rule=deviation
+    order, position = torch.randperm(size, generator=torch.Generator().manual_seed(0)), 0  # cyclic
     ys = [x.clone() for _ in range(world)]
     ms = [torch.zeros_like(x) for _ in range(world)]
     mask, history = None, []
@@ -68,7 +72,11 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
             grads.append(flat.grad.clone())
         if t > 1:  # the exchange: average the drifts on the mask (everything while t <= W)
             sel = torch.arange(x.numel()) if t <= dense_until else mask
-            x[sel] += sum(y[sel] - x[sel] for y in ys) / world
+            delta = sum(y[sel] - x[sel] for y in ys) / world
+            u[sel] = mu * u[sel] + delta
+            x[sel] += eta * (delta + mu * u[sel])
+            rate[sel] = eta * (delta + mu * u[sel]) / (t - last[sel])
+            last[sel] = t
             for y in ys:
                 y[sel] = x[sel]
         c = 1 - b1 ** t
@@ -82,14 +90,33 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
         if t + 1 > dense_until:  # the next mask: top-k of |y_r - x| on partition r, by its owner
             density = rho ** ((t + 1) / warm) if warm and t + 1 < warm else rho
             k = max(1, min(size, math.ceil(round(density * size, 6))))
-            mask = torch.cat([torch.topk((ys[r] - x)[r * size:(r + 1) * size].abs(), k).indices
-                              + r * size for r in range(world)]).sort().values
+            if cfg.mask_rule == "cyclic":  # the same window of one permutation in every partition
+                window = order[[(position + j) % size for j in range(k)]]
+                position = (position + k) % size
+                mask = torch.cat([window + r * size for r in range(world)]).sort().values
+                history.append((x.clone(), [y.clone() for y in ys]))
+                continue
+            scores = []
+            for r in range(world):
+                if cfg.mask_rule == "random":
+                    scores.append(torch.rand(size, generator=torch.Generator().manual_seed(1_000_003 * (t + 1) + r)))
+                    continue
+                score = ys[r] - x
+                if cfg.mask_rule == "deviation":
+                    score = score - rate * (t + 1 - last)
+                scores.append(score[r * size:(r + 1) * size].abs())
+            mask = torch.cat([torch.topk(score, k).indices + r * size
+                              for r, score in enumerate(scores)]).sort().values
         history.append((x.clone(), [y.clone() for y in ys]))
     return history
 
 
 REFERENCE_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.8, dense_warmup_steps=3, sparsity_warmup_steps=5),
-                     dict(sparsity=0.99, mask_transport="indices")]
+                     dict(sparsity=0.99, mask_transport="indices"),
+                     dict(sparsity=0.9, outer_lr=0.7, outer_momentum=0.9, sparsity_warmup_steps=4),
+                     dict(sparsity=0.9, mask_rule="deviation", dense_warmup_steps=2),
+                     dict(sparsity=0.9, mask_rule="random"),
+                     dict(sparsity=0.8, mask_rule="cyclic", sparsity_warmup_steps=5)]
 
 
 def _equals_reference(rank: int, world: int) -> None:
@@ -232,7 +259,10 @@ def test_averaged_model_is_the_mean_of_the_copies_and_training_weights_are_resto
 
 RESUME_CONFIGS = [(dict(sparsity=0.9), 4),
                   (dict(sparsity=0.99, value_dtype="bf16", sparsity_warmup_steps=5, dense_warmup_steps=3), 2),
-                  (dict(sparsity=0.99, value_dtype="bf16", sparsity_warmup_steps=5, dense_warmup_steps=3), 3)]
+                  (dict(sparsity=0.99, value_dtype="bf16", sparsity_warmup_steps=5, dense_warmup_steps=3), 3),
+                  (dict(sparsity=0.9, outer_lr=0.7, outer_momentum=0.9), 4),
+                  (dict(sparsity=0.9, mask_rule="deviation"), 3), (dict(sparsity=0.9, mask_rule="random"), 3),
+                  (dict(sparsity=0.8, mask_rule="cyclic"), 3)]
 
 
 def _resume(rank: int, world: int) -> None:
@@ -264,7 +294,7 @@ def test_exact_resume_through_the_state_dicts():
 
 def _bytes(rank: int, world: int) -> None:
     for overrides in (dict(sparsity=0.99, mask_transport="indices"), dict(sparsity=0.9, mask_transport="bitmap"),
-                      dict(sparsity=0.99, value_dtype="bf16")):
+                      dict(sparsity=0.99, value_dtype="bf16"), dict(sparsity=0.9, mask_rule="cyclic")):
         cfg = avg_config(**overrides)
         model = make_model()
         sync = SparseAverageSynchronizer(model, cfg)
@@ -272,17 +302,19 @@ def _bytes(rank: int, world: int) -> None:
         train(model, sync, 4, rank, before_reduce=lambda step: sync.comm.counter.reset(),
               after=lambda step: counted.__setitem__(step, dict(sync.comm.counter.bytes)))
         formula = sparse_avg_step_bytes(sync.layout.numel, world, cfg.sparsity, cfg.mask_transport,
-                                        cfg.value_dtype)
+                                        cfg.value_dtype, cfg.mask_rule)
         s = 2 if cfg.value_dtype == "bf16" else 4
+        cyclic = cfg.mask_rule == "cyclic"  # no mask crosses the network
         assert counted[1]["scape_values"] == all_reduce_bytes(s, world)  # step 1: the norm only
-        assert counted[1]["scape_mask"] == formula["mask"]
+        assert counted[1].get("scape_mask", 0) == formula["mask"] and (formula["mask"] == 0) == cyclic
         for step in (2, 3, 4):
-            assert counted[step] == {"scape_values": formula["values"], "scape_mask": formula["mask"]}
+            expected = {"scape_values": formula["values"], **({} if cyclic else {"scape_mask": formula["mask"]})}
+            assert counted[step] == expected
         assert formula["values"] == all_reduce_bytes((world * formula["k"] + 1) * s, world)
         metrics = sync.metrics()
         assert metrics["scape/density"] == world * formula["k"] / sync.layout.padded_numel
         assert metrics["scape/dense_step"] == 0.0 and metrics["scape/drift_norm"] > 0
-        assert 0.0 <= metrics["scape/mask_overlap"] <= 1.0
+        assert cyclic or 0.0 <= metrics["scape/mask_overlap"] <= 1.0
         assert {"scape/time_topk_s", "scape/time_pack_s", "scape/time_wait_s",
                 "scape/local_grad_norm"} <= set(metrics)
         sync.comm.counter.reset()
@@ -349,6 +381,10 @@ def test_settings_are_checked_and_the_builders_dispatch():
         SparseAverageSynchronizer(make_model(), avg_config(lag=False))
     with pytest.raises(ValueError, match="mask_transport"):
         SparseAverageSynchronizer(make_model(), avg_config(mask_transport="zip"))
+    with pytest.raises(ValueError, match="outer_momentum=1.0 must lie in"):
+        SparseAverageSynchronizer(make_model(), avg_config(outer_momentum=1.0))
+    with pytest.raises(ValueError, match="optimizer.outer_lr=0.7 is a sparse_avg option; optimizer=scape"):
+        scape.build_synchronizer(make_model(), avg_config(name="scape", outer_lr=0.7))
     cfg = Config(optimizer=avg_config(), sdp=SDPConfig(kind="block"), seed=0)
     with pytest.raises(ValueError, match="sparse_avg is not supported with SDP"):
         build_model_and_sync(cfg, torch.device("cpu"), Collectives())
@@ -376,8 +412,9 @@ def test_train_py_two_processes_with_sparse_avg(tmp_path, prepared_cache):
     assert [r["step"] for r in records if "val/loss" in r] == [3, 6]
     steps = {r["step"]: r for r in records if "train/loss" in r}
     for key in ("scape/density", "scape/drift_norm", "scape/dense_step", "comm/bytes_scape_values",
-                "comm/bytes_scape_mask", "comm/compression"):
+                "comm/compression"):
         assert key in steps[4], key
+    assert "comm/bytes_scape_mask" not in steps[4]  # the default mask rule (cyclic) sends no mask
     assert steps[1]["scape/density"] == 0.0 and 0 < steps[4]["scape/density"] < 0.2
     assert steps[4]["comm/compression"] > 2
     straight, split = train_losses(run), train_losses(tmp_path / "split")

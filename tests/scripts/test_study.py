@@ -93,6 +93,10 @@ def test_composed_arms_follow_their_recipe_and_bad_names_are_refused():
     assert spec["optimizer.score_timing"] == "pre_send" and spec["optimizer.stale_scale_cap"] == "1"
     assert spec["optimizer.lr"] == "6e-3"
     assert dict(i.split("=", 1) for i in study.compose_arm("sma99+warm20").overrides)["optimizer"] == "sparse_avg"
+    outer = dict(i.split("=", 1) for i in study.compose_arm("sma99+om0.9+olr0.7").overrides)
+    assert (outer["optimizer.outer_momentum"], outer["optimizer.outer_lr"]) == ("0.9", "0.7")
+    cyclic = dict(i.split("=", 1) for i in study.compose_arm("sma99+cyc+sp0.985").overrides)
+    assert (cyclic["optimizer.mask_rule"], cyclic["optimizer.sparsity"]) == ("cyclic", "0.985")
     for bad in ("scape99", "scape99+cap", "scape99+post7", "scape50+post", "bsdp50+post"):
         assert study.compose_arm(bad) is None, bad
     with pytest.raises(SystemExit):
