@@ -271,14 +271,17 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self.masks.overlap = None
         if self.is_dense(following):
             return
+        # a mask loaded or waited for without a step since is not the one M_{t+1} follows
+        self._choose_mask(following, async_op=True, overlap=self.mask_step == self.step_count)
+
+    def _choose_mask(self, following: int, async_op: bool, overlap: bool) -> None:
+        """M_{following} by the mask rule: held at once (cyclic) or its all-gather started."""
+        k = self.k_at(following)
         if self.cycle_order is not None:
-            k = self.k_at(following)
             self.masks.hold(following, self._cyclic_mask(k), k)
             return
         self._score_drifts(following)
-        # a mask loaded or waited for without a step since is not the one M_{t+1} follows
-        self.masks.exchange(following, self.k_at(following), async_op=True,
-                            overlap=self.mask_step == self.step_count)
+        self.masks.exchange(following, k, async_op=async_op, overlap=overlap)
 
     # --- the averaged model --------------------------------------------------------------------
     @torch.no_grad()
@@ -401,6 +404,16 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
                              f"{numel}: resume with the model the run was started with")
         self.masks.wait()
         self.consensus.copy_(repad(state["consensus"], numel, padded))
+        # the other replicated buffers follow the coordinates too; the cycle restarts (this run's
+        # partitions have another size, so the old position means nothing here)
+        for key, buffer in (("outer_velocity", self.outer_velocity), ("consensus_rate", self.consensus_rate),
+                            ("last_exchange", self.last_exchange)):
+            if buffer is not None:
+                if key not in state:
+                    raise ValueError(f"this checkpoint has no {key!r}: it was written with other "
+                                     f"optimizer.outer_momentum / mask_rule settings; resume with those")
+                buffer.copy_(repad(state[key], numel, padded).to(buffer.dtype))
+        self.cycle_position = 0
         self.step_count = int(state["step"])
         self.masks.load_state_dict({})
 
@@ -417,7 +430,5 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             self.optimizer.momentum.copy_(repad(mean["momentum"].cpu(), numel, padded))
         following = self.step_count + 1
         if "mask" in state and not self.is_dense(following):
-            own = slice(self.layout.owned_start, self.layout.owned_start + self.layout.owned_numel)
-            torch.sub(self.flat.data[own], self.consensus[own], out=self.score).abs_()
-            self.masks.exchange(following, self.k_at(following), async_op=False, overlap=False)
+            self._choose_mask(following, async_op=False, overlap=False)
             self.masks.wait()  # hold it now, as a checkpoint's mask is held after loading

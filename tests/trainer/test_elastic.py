@@ -21,7 +21,8 @@ ARMS = {
     "adamw": ["optimizer=adamw"],
     "adams": ["optimizer=adams"],
     "scape": ["optimizer=scape", "optimizer.sparsity=0.9"],
-    "sparse_avg": ["optimizer=sparse_avg", "optimizer.sparsity=0.9"],
+    "sparse_avg": ["optimizer=sparse_avg", "optimizer.sparsity=0.9"],  # cyclic mask (the default)
+    "sparse_avg_topk": ["optimizer=sparse_avg", "optimizer.sparsity=0.9", "optimizer.mask_rule=drift"],  # all-gathered
     "sdp": ["optimizer=adams", "sdp=block", "sdp.coverage=0.5"],
 }
 STEPS, STOP = 10, 5
@@ -29,7 +30,8 @@ STEPS, STOP = 10, 5
 # have no per-rank state: only the order of the gradient sums differs. SCAPE starts every new rank
 # from the mean residual and sparse_avg from the mean copy, which changes the trajectory a little
 # (the loss falls by about 1.0 over these steps).
-TOLERANCE = {"adamw": 1e-5, "adams": 1e-5, "scape": 0.05, "sparse_avg": 0.05, "sdp": 0.05}
+TOLERANCE = {"adamw": 1e-5, "adams": 1e-5, "scape": 0.05, "sparse_avg": 0.05, "sparse_avg_topk": 0.05,
+             "sdp": 0.05}
 
 
 def _common(tmp_path, cache, arm):
