@@ -30,6 +30,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from core.checkpoint import repad
 from core.comm import Collectives
 from scape.config import OptimizerConfig
 from scape.options import as_dataclass
@@ -41,14 +42,58 @@ from scape.update import ScapeOptimizer
 class ShardedScapeSynchronizer(ScapeSynchronizer):
     """SCAPE whose optimizer state covers this rank's owned partitions only (see module doc)."""
 
-    def load_resharded_state(self, state, shards) -> None:
-        """Not elastic yet: the optimizer state is cut by the old ranks' partitions (or holder
-        groups), which a resume on another number of ranks would have to re-cut; refused here
-        rather than loaded wrongly through the parent class's path."""
-        raise ValueError(f"sharded SCAPE (optimizer.shard=true) cannot continue on another number of "
-                         f"ranks yet (the checkpoint was written by {shards.world}); resume on "
-                         f"{shards.world} ranks, or start from its weights with "
-                         f"train.init_from=<checkpoint folder>")
+    @torch.no_grad()
+    def load_resharded_state(self, state: Dict[str, Any], shards: Any) -> None:
+        """Elastic resume from a checkpoint of ``shards.world`` ranks (collective).
+
+        The optimizer state is re-cut: each old rank's shard [start, stop) is placed in a buffer
+        of the old padded length (zeros elsewhere), so the sum over the old ranks is the whole
+        state; ``shards.mean`` returns that sum / N (exact for N a power of two), which is scaled
+        back, re-padded for this run and sliced to this rank's new shard. The residual is the mean
+        of the old ranks' residuals and the pending mask is re-selected, as replicated SCAPE does
+        (``ScapeSynchronizer.load_resharded_state``); the lr-sum table is replicated and comes
+        from one old rank's file.
+        """
+        old = state.get("layout") or {}
+        numel, padded = self.layout.numel, self.layout.padded_numel
+        if old.get("numel") != numel:
+            raise ValueError(f"SCAPE checkpoint has {old.get('numel')} parameters, this model has "
+                             f"{numel}: resume with the model the run was started with")
+        if "sharded_over" not in (state.get("optimizer") or {}):
+            raise ValueError("this SCAPE checkpoint was written with optimizer.shard=false (the "
+                             "momentum is replicated in optimizer.pt): resume with optimizer.shard=false")
+        opt = self.optimizer
+        keys = [k for k in ("momentum", "second_moment", "last_sent") if getattr(opt, k) is not None]
+        old_padded = int(old["padded_numel"])
+
+        def placed(local: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+            if "optimizer" not in local or "shard" not in local or "residual" not in local:
+                raise ValueError("a rank's checkpoint file holds no SCAPE optimizer shard; it was "
+                                 "written by another optimizer or with optimizer.shard=false")
+            start, stop = local["shard"]
+            out = {"residual": local["residual"]}
+            for key in keys:
+                full = torch.zeros(old_padded)
+                full[start:stop] = local["optimizer"][key].float()
+                out[key] = full
+            return out
+
+        self.masks.wait()
+        like = {key: torch.empty(old_padded) for key in (*keys, "residual")}
+        total = shards.mean(placed, like, self.comm, self.rank, self.world, self.device)
+        for key in keys:
+            whole = repad(total[key].mul_(shards.world).cpu(), numel, padded)
+            getattr(opt, key).copy_(whole[self.shard].to(getattr(opt, key).dtype))
+        if opt.lr_sums is not None:
+            opt.lr_sums = shards.read(0)["optimizer"]["lr_sums"].to(opt.lr_sums.device, copy=True)
+        self.residual.load(repad(total["residual"].cpu(), numel, padded).to(self.residual.storage.device))
+        self.step_count = int(state["step"])
+        self.masks.load_state_dict({})  # the old mask is k per old partition: re-selected here
+        following = self.step_count + 1
+        if "mask" in state and self.cfg.lag and not self.is_dense(following):
+            self._score_residual()
+            self.masks.exchange(following, self.k_at(following), async_op=False, overlap=False)
+            self.masks.wait()
 
     def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig,
                  num_partitions: Optional[int] = None,
