@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import os
 import platform
 import signal
@@ -51,6 +52,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
+VOCAB = 8192
 ADDRESS = {"a": "10.203.0.1", "b": "10.203.0.2"}
 
 ARMS: Dict[str, List[str]] = {
@@ -85,13 +87,14 @@ def model_overrides(args: argparse.Namespace) -> List[str]:
     return [
         "model=tiny_llama", f"model.n_layer={args.n_layer}", f"model.d_model={args.d_model}",
         f"model.n_head={args.n_head}", f"model.n_kv_head={args.n_head}", f"model.ffn_hidden={3 * args.d_model}",
-        f"model.seq_len={args.seq_len}", "model.vocab_size=8192",
+        f"model.seq_len={args.seq_len}", f"model.vocab_size={VOCAB}",
         "data=embedded", "data.embedded_docstrings=false", "data.name=bench_network",
-        f"data.cache_dir={args.cache_dir}", "tokenizer.vocab_size=8192",
+        f"data.cache_dir={args.cache_dir}", f"tokenizer.vocab_size={VOCAB}",
         f"train.steps={args.steps}", f"train.global_batch_tokens={2 * args.seq_len}", "train.micro_batch_size=1",
         "train.log_every=1", f"train.eval_every={args.eval_every}", f"train.eval_batches={args.eval_batches}",
         "train.ckpt_every=0",
-        "train.keep_last=1", "optimizer.warmup_steps=2", "logger=console",
+        "train.keep_last=1", f"optimizer.warmup_steps={args.lr_warmup}", "logger=console",
+        *([f"optimizer.lr={args.lr}"] if args.lr is not None else []),
     ]
 
 
@@ -316,6 +319,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--reference", default="adams", help="time-to-loss mode: the arm that sets the target")
     parser.add_argument("--eval-every", type=int, default=0, help="validation every N steps (time-to-loss: default 5)")
     parser.add_argument("--eval-batches", type=int, default=1, help="micro-batches per rank per validation")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="peak learning rate of every arm (default: each optimizer config's own)")
+    parser.add_argument("--lr-warmup", type=int, default=2, help="learning-rate warm-up steps")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     parser.add_argument("--keep-runs", action="store_true", help="keep the run folders (in a temp dir)")
     args = parser.parse_args(argv)
@@ -344,21 +350,38 @@ def speedups(entry: Dict[str, dict], arms: Sequence[str]) -> Dict[str, Dict[str,
             for dense in DENSE_ARMS if dense in entry}
 
 
+def reference_target(records: List[dict], step: int, ref: str) -> tuple:
+    """The reference's validation loss at ``step`` (the target) and its validation curve.
+
+    A reference that has not trained (its loss at ``step`` not below the uniform predictor's
+    ln V) would make every arm "reach" the target at once, so it is an error, not a result.
+    """
+    curve = [(int(r["step"]), round(float(r["val/loss"]), 4)) for r in records if "val/loss" in r]
+    at_step = dict(curve)
+    if step not in at_step:
+        raise RuntimeError(f"the reference {ref} logged no validation loss at step {step}")
+    uniform = math.log(VOCAB)
+    if at_step[step] >= uniform:
+        raise RuntimeError(
+            f"the reference {ref} did not train: validation loss {at_step[step]:.4f} at step {step} "
+            f"is not below the uniform predictor's ln({VOCAB}) = {uniform:.3f} (curve {curve}); "
+            "lower --lr, lengthen --lr-warmup or raise --time-to-loss")
+    return at_step[step], curve
+
+
 def time_to_loss(link: LinkedNamespaces, args: argparse.Namespace, arms: Sequence[str], run_root: Path,
                  label: str) -> Dict[str, object]:
     """The reference's validation loss after S steps, and what every arm takes to reach it."""
     ref = args.reference
     reference = run_arm(link, ref, args, run_root, f"{label}-ttl",
                         extra=[f"train.stop_after_steps={args.time_to_loss}"])
-    records = reference.pop("records")
-    at_s = [r for r in records if "val/loss" in r and int(r["step"]) == args.time_to_loss]
-    if not at_s:
-        raise RuntimeError(f"the reference {ref} logged no validation loss at step {args.time_to_loss}")
-    target = float(at_s[0]["val/loss"])
+    ref_records = reference.pop("records")
+    target, ref_curve = reference_target(ref_records, args.time_to_loss, ref)
+    reference_totals = totals_to(ref_records, args.time_to_loss)
     out: Dict[str, object] = {"target_val_loss": round(target, 4), "reference": ref,
                               "S": args.time_to_loss, "step_cap": args.step_cap,
-                              ref: {"reached": True, **totals_to(records, args.time_to_loss),
-                                    "val_loss": round(target, 4)}}
+                              ref: {"reached": True, **reference_totals,
+                                    "val_loss": round(target, 4), "val_curve": ref_curve}}
     print(f"[bench] time-to-loss target: {ref} val loss {target:.4f} at step {args.time_to_loss}", flush=True)
     for arm in arms:
         if arm == ref:

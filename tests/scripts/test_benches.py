@@ -34,6 +34,23 @@ def test_time_to_loss_finds_the_first_validation_at_the_target_and_sums_to_it():
     assert bench_network.totals_to(records, 5) == {"steps": 5, "train_wall_s": 2.5, "bytes_per_rank": 500.0}
 
 
+def test_a_reference_that_did_not_train_is_an_error_not_a_target():
+    records = [{"step": 10, "val/loss": 8.0}, {"step": 20, "val/loss": 7.5}]
+    assert bench_network.reference_target(records, 20, "adams") == (7.5, [(10, 8.0), (20, 7.5)])
+    with pytest.raises(RuntimeError, match="no validation loss at step 30"):
+        bench_network.reference_target(records, 30, "adams")
+    untrained = [{"step": 60, "val/loss": 9.2463}]  # above ln 8192 = 9.011: the 2026-12-01 run
+    with pytest.raises(RuntimeError, match="did not train.*lower --lr"):
+        bench_network.reference_target(untrained, 60, "adams")
+
+
+def test_lr_and_warmup_reach_every_arm():
+    args = bench_network.parse_args(["--lr", "1e-3", "--lr-warmup", "10"])
+    overrides = bench_network.model_overrides(args)
+    assert "optimizer.lr=0.001" in overrides and "optimizer.warmup_steps=10" in overrides
+    assert not any(o.startswith("optimizer.lr=") for o in bench_network.model_overrides(bench_network.parse_args([])))
+
+
 def test_speedups_are_against_every_dense_arm_that_ran():
     entry = {"adams": {"step_time_s": 1.0}, "adams_after_backward": {"step_time_s": 1.5},
              "scape99": {"step_time_s": 0.25}}
