@@ -118,6 +118,98 @@ class _LocalAdamS:
                                    self.decay_end)
 
 
+class _SharedNormalizer:
+    """``normalizer=shared``: one replicated denominator D for every rank's local step.
+
+    With each rank's own AdamS denominator the average of the local steps is not an AdamS step
+    on the mean gradient: a rank sees a quarter of the batch (on 4 ranks), so its denominator
+    holds four times the gradient noise and noise-dominated coordinates move about half as far
+    as under dense AdamS (the study's +0.125 at density 1). With one D on every rank a local step
+    y_i -= lr (m_i / bc) / D is linear in m_i, so the mean of the copies moves by
+    lr (mean_i m_i / bc) / D: the momentum of the mean gradient, whatever the density.
+
+    D is built from what the exchange reveals. When a coordinate's drifts are averaged after
+    local steps with learning rates lr_s, the copies all left x there with the same D, so
+    q = -mean_i d_i D / sum_s lr_s is the lr-weighted mean of the bias-corrected mean momentum
+    over those steps (the weight decay's share, about lr wd |x| a step, is left in). D^2 is an
+    exponential average of q^2 with beta2, bias-corrected, updated at each exchange with the
+    weight 1 - beta2^S of the S steps it covers: at density 1 the second moment of the
+    momentum, one step late (AdaMomentum's normaliser). Step 1 all-reduces the clipped gradient
+    once: its mean starts D (D = |mean g|) and is every rank's step-1 gradient, so step 1 is one
+    dense sign step and the copies start equal. A local step is clamped at AdamS's largest step
+    (see ``local_step``). Costs three replicated buffers
+    (the raw average, the lr sum, the last exchange's step) and no bytes after step 1.
+    """
+
+    def __init__(self, like: torch.Tensor, beta: float, eps: float) -> None:
+        self.beta, self.eps = beta, eps
+        self.bound = 1.0 / math.sqrt(1.0 - beta)
+        self.second = torch.zeros_like(like)  # the average of q^2, not bias-corrected
+        self.lr_sum = torch.zeros_like(like)  # learning rates summed since the last exchange
+        self.last = torch.zeros(like.numel(), dtype=torch.int32, device=like.device)
+        self.denominator = torch.ones_like(like)
+
+    def start(self, mean_grad: torch.Tensor) -> None:
+        """Step 1: the (clipped) mean gradient is the first q."""
+        self.second.copy_(mean_grad.square().mul_(1.0 - self.beta))
+        self.last.fill_(1)
+        torch.add(mean_grad.abs(), self.eps, out=self.denominator)
+
+    def exchange(self, mean_drift: torch.Tensor, mask: Optional[torch.Tensor], step: int) -> None:
+        """Fold q of the exchanged coordinates into D (before the copies snap to x)."""
+        def take(buffer: torch.Tensor) -> torch.Tensor:
+            return buffer.clone() if mask is None else buffer.index_select(0, mask)
+
+        lr_sum, second, denom = take(self.lr_sum), take(self.second), take(self.denominator)
+        covered = (step - take(self.last)).float()
+        weight = torch.pow(torch.full_like(covered, self.beta), covered)
+        q = -mean_drift * denom / lr_sum.clamp(min=torch.finfo(lr_sum.dtype).tiny)
+        folded = second * weight + q.square() * (1.0 - weight)
+        second = torch.where(lr_sum > 0, folded, second)  # no lr since: nothing was revealed
+        denom = (second / (1.0 - self.beta ** step)).sqrt_().add_(self.eps)
+        if mask is None:
+            self.second.copy_(second)
+            self.denominator.copy_(denom)
+            self.lr_sum.zero_()
+            self.last.fill_(step)
+        else:
+            kernels.scatter(self.second, mask, second)
+            kernels.scatter(self.denominator, mask, denom)
+            self.lr_sum.index_fill_(0, mask, 0.0)
+            self.last.index_fill_(0, mask, step)
+
+    def local_step(self, param: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor, lr: float,
+                   beta1: float, bias_correction: float, weight_decay: float, decay_end: int) -> None:
+        """y *= 1 - lr wd (decay range); m = b1 m + (1 - b1) g; y -= lr clamp((m / bc) / D, +-c).
+
+        c = 1 / sqrt(1 - beta2) is the furthest AdamS moves a coordinate in one step (its first
+        step). It binds only where this rank's momentum is far above the shared scale -- a
+        coordinate whose D is still tiny (an embedding row that had no gradient when D was last
+        set) -- and keeps such a local step from throwing the copy off.
+        """
+        if weight_decay != 0.0 and decay_end > 0:
+            param[:decay_end].mul_(1.0 - lr * weight_decay)
+        momentum.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+        update = torch.div(momentum, self.denominator).mul_(1.0 / bias_correction)
+        param.add_(update.clamp_(-self.bound, self.bound), alpha=-lr)
+        self.lr_sum.add_(lr)
+
+    STATE_KEYS = ("second", "lr_sum", "last", "denominator")
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        return {f"normalizer_{key}": getattr(self, key).detach().cpu().clone() for key in self.STATE_KEYS}
+
+    def load_state_dict(self, state: Dict[str, Any], fit=lambda tensor: tensor) -> None:
+        missing = [key for key in self.STATE_KEYS if f"normalizer_{key}" not in state]
+        if missing:
+            raise ValueError("this checkpoint has no shared normalizer: it was written with "
+                             "optimizer.normalizer=local; resume with the normalizer that wrote it")
+        for key in self.STATE_KEYS:
+            buffer = getattr(self, key)
+            buffer.copy_(fit(state[f"normalizer_{key}"]).to(buffer.dtype))
+        self.denominator.clamp_(min=self.eps)  # re-padded coordinates hold 0: m / 0 would be nan
+
+
 class SparseAverageSynchronizer(MaskedSynchronizer):
     """Sparse model averaging over one flat fp32 view of the model's trainable parameters."""
 
@@ -146,6 +238,8 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
                                           ).to(self.device) if self.mask_rule == "cyclic" else None
         self.cycle_position = 0
         self.value_dtype = torch.bfloat16 if cfg.value_dtype == "bf16" else torch.float32
+        self.normalizer = _SharedNormalizer(self.consensus, float(cfg.betas[1]), float(cfg.eps)
+                                            ) if cfg.normalizer == "shared" else None
 
         self.step_count = 0  # steps completed
         self._local_norm: Optional[torch.Tensor] = None
@@ -184,6 +278,8 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             return
         mean = self._outer_step(payload[:count].float().div_(self.world), mask)
         self._record_rate(mean, mask, step)
+        if self.normalizer is not None:
+            self.normalizer.exchange(mean, mask, step)
         if mask is None:
             x.add_(mean)
             if kept is None:
@@ -262,7 +358,17 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
     @torch.no_grad()
     def step(self, lr: float) -> None:
         step = self.step_count + 1
-        self.optimizer.step(self.flat.grad, lr, step)
+        if self.normalizer is None:
+            self.optimizer.step(self.flat.grad, lr, step)
+        else:
+            if step == 1:  # the only dense exchange of normalizer=shared: the clipped gradient,
+                # whose mean starts D and is every rank's step-1 gradient (a dense first step)
+                self.comm.all_reduce(self.flat.grad, kind="grad_allreduce")
+                self.normalizer.start(self.flat.grad.div_(self.world))
+            opt = self.optimizer
+            opt.param_groups[0]["lr"] = lr
+            self.normalizer.local_step(self.flat.data, opt.momentum, self.flat.grad, lr, opt.beta1,
+                                       1.0 - opt.beta1 ** step, opt.weight_decay, opt.decay_end)
         self.step_count = step
 
     @torch.no_grad()
@@ -339,6 +445,8 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         if self.consensus_rate is not None:
             state["consensus_rate"] = self.consensus_rate.detach().cpu().clone()
             state["last_exchange"] = self.last_exchange.detach().cpu().clone()
+        if self.normalizer is not None:
+            state.update(self.normalizer.state_dict())
         state.update(self.masks.state_dict(self.step_count + 1))
         return state
 
@@ -367,6 +475,11 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
                                  "another optimizer.mask_rule; resume with the one that wrote it")
             self.consensus_rate.copy_(state["consensus_rate"])
             self.last_exchange.copy_(state["last_exchange"])
+        if self.normalizer is not None:
+            self.normalizer.load_state_dict(state)
+        elif "normalizer_denominator" in state:
+            raise ValueError("this checkpoint was written with optimizer.normalizer=shared; resume "
+                             "with the normalizer that wrote it")
         self.step_count = int(state["step"])
         self.masks.load_state_dict(state)
 
@@ -413,6 +526,8 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
                     raise ValueError(f"this checkpoint has no {key!r}: it was written with other "
                                      f"optimizer.outer_momentum / mask_rule settings; resume with those")
                 buffer.copy_(repad(state[key], numel, padded).to(buffer.dtype))
+        if self.normalizer is not None:
+            self.normalizer.load_state_dict(state, fit=lambda tensor: repad(tensor, numel, padded))
         self.cycle_position = 0
         self.step_count = int(state["step"])
         self.masks.load_state_dict({})

@@ -42,3 +42,7 @@ class OptimizerConfig(DenseOptimizerConfig):
     # cyclic: every rank walks the same fixed permutation of each partition, k a step, so no
     # mask crosses the network
     mask_rule: str = "drift"
+    # the denominator of the local AdamS steps: each rank's own (local) or one replicated
+    # denominator (shared) built from the momentum the averaged drifts reveal, so every local
+    # step is linear and the average of the local steps is the step on the mean momentum
+    normalizer: str = "local"

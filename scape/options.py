@@ -45,8 +45,9 @@ def as_dataclass(cfg) -> OptimizerConfig:
 
 
 # keys that only optimizer=sparse_avg reads (scape/averaging.py has the list the other way round)
-SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule")
+SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule", "normalizer")
 MASK_RULES = ("drift", "deviation", "random", "cyclic")
+NORMALIZERS = ("local", "shared")
 
 
 def refuse_foreign_keys(cfg: OptimizerConfig, keys, owner: str, here: str) -> None:
@@ -94,6 +95,10 @@ def validate_config(cfg: OptimizerConfig) -> None:
         raise ValueError(f"optimizer.outer_momentum={cfg.outer_momentum!r} must lie in [0, 1) "
                          f"(0 = plain averaging)")
     _choice("mask_rule", cfg.mask_rule, MASK_RULES)
+    _choice("normalizer", cfg.normalizer, NORMALIZERS)
+    if cfg.normalizer == "shared" and (cfg.outer_lr != 1 or cfg.outer_momentum != 0):
+        raise ValueError("optimizer.normalizer=shared reads the mean momentum from the plainly averaged "
+                         "drift; it needs optimizer.outer_lr=1 and optimizer.outer_momentum=0")
     b1, b2 = cfg.betas
     if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
         raise ValueError(f"optimizer.betas={list(cfg.betas)} must lie in [0, 1)")

@@ -119,6 +119,7 @@ _PARTS = {
     "dev": (("optimizer.mask_rule=deviation",), "deviation score"),  # sparse_avg only
     "rand": (("optimizer.mask_rule=random",), "random mask"),  # sparse_avg only
     "cyc": (("optimizer.mask_rule=cyclic",), "cyclic mask (none sent)"),  # sparse_avg only
+    "shnorm": (("optimizer.normalizer=shared",), "one shared denominator"),  # sparse_avg only
     "sp": (("optimizer.sparsity={n}",), "sparsity {n}"),
     "bfloat": (("optimizer.value_dtype=bf16",), "bf16 values"),
     # sparse_avg's rule before the mask-rule study: the owner's top-k drifts, fp32 values
@@ -130,7 +131,8 @@ def compose_arm(name: str) -> Optional[Arm]:
     """An arm named by its recipe, ``base+part+part...``: base scape90 / scape99 (the spec's rule at
     that sparsity), sma90 / sma99 (sparse model averaging) or adams / adamw; parts: post, capN /
     lrsumN (catch-up capped at N; 0 = 1 / density), warmN, clip, noclip, lrX, and for sparse
-    averaging omX / olrX (outer Nesterov momentum / outer lr), dev / rand / cyc / topk (mask rule); spX sets the sparsity, bfloat the
+    averaging omX / olrX (outer Nesterov momentum / outer lr), dev / rand / cyc / topk (mask rule), shnorm (one shared
+    denominator); spX sets the sparsity, bfloat the
     value dtype. None if the name is
     not of that form."""
     base, *parts = name.split("+")

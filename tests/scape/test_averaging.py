@@ -61,6 +61,8 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
     order, position = torch.randperm(size, generator=torch.Generator().manual_seed(0)), 0  # cyclic
     ys = [x.clone() for _ in range(world)]
     ms = [torch.zeros_like(x) for _ in range(world)]
+    shared = cfg.normalizer == "shared"  # one denominator D from the revealed mean momentum
+    second, lr_sum, last_sent, denom = torch.zeros_like(x), torch.zeros_like(x), torch.zeros_like(x), None
     mask, history = None, []
     for t in range(1, steps + 1):
         grads = []
@@ -77,16 +79,34 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
             x[sel] += eta * (delta + mu * u[sel])
             rate[sel] = eta * (delta + mu * u[sel]) / (t - last[sel])
             last[sel] = t
+            if shared:
+                q = -delta * denom[sel] / lr_sum[sel]
+                w = b2 ** (t - last_sent[sel])
+                second[sel] = w * second[sel] + (1 - w) * q ** 2
+                denom[sel] = (second[sel] / (1 - b2 ** t)).sqrt() + eps
+                lr_sum[sel], last_sent[sel] = 0, t
             for y in ys:
                 y[sel] = x[sel]
         c = 1 - b1 ** t
-        for g, y, m in zip(grads, ys, ms):  # local clipping and local AdamS
+        for g in grads:  # every rank clips by its own norm
             if max_norm > 0:
                 g *= torch.clamp(max_norm / (g.norm() + 1e-6), max=1.0)
+        if shared and t == 1:  # the clipped mean gradient starts D and is everyone's gradient
+            mean_grad = sum(grads) / world
+            second, last_sent[:] = (1 - b2) * mean_grad ** 2, 1
+            denom = mean_grad.abs() + eps
+            grads = [mean_grad.clone() for _ in grads]
+        for g, y, m in zip(grads, ys, ms):  # local AdamS
             y[:decay_end] *= 1 - lr * wd
-            denom = (b2 * (m / c) ** 2 + (1 - b2) * g ** 2).sqrt() + eps
+            if shared:
+                m.mul_(b1).add_((1 - b1) * g)
+                y -= lr * ((m / c) / denom).clamp(-(1 - b2) ** -0.5, (1 - b2) ** -0.5)
+                continue
+            local_denom = (b2 * (m / c) ** 2 + (1 - b2) * g ** 2).sqrt() + eps
             m.mul_(b1).add_((1 - b1) * g)
-            y -= lr * (m / c) / denom
+            y -= lr * (m / c) / local_denom
+        if shared:
+            lr_sum += lr
         if t + 1 > dense_until:  # the next mask: top-k of |y_r - x| on partition r, by its owner
             density = rho ** ((t + 1) / warm) if warm and t + 1 < warm else rho
             k = max(1, min(size, math.ceil(round(density * size, 6))))
@@ -116,7 +136,9 @@ REFERENCE_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.8, dense_warmup_steps=3
                      dict(sparsity=0.9, outer_lr=0.7, outer_momentum=0.9, sparsity_warmup_steps=4),
                      dict(sparsity=0.9, mask_rule="deviation", dense_warmup_steps=2),
                      dict(sparsity=0.9, mask_rule="random"),
-                     dict(sparsity=0.8, mask_rule="cyclic", sparsity_warmup_steps=5)]
+                     dict(sparsity=0.8, mask_rule="cyclic", sparsity_warmup_steps=5),
+                     dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", sparsity_warmup_steps=4),
+                     dict(sparsity=0.9, normalizer="shared", dense_warmup_steps=2)]
 
 
 def _equals_reference(rank: int, world: int) -> None:
@@ -140,7 +162,8 @@ def test_two_ranks_equal_the_single_process_arithmetic():
 
 
 CONSISTENCY_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.99, value_dtype="bf16", mask_transport="indices"),
-                       dict(sparsity=0.8, mask_transport="bitmap", dense_warmup_steps=2, sparsity_warmup_steps=4)]
+                       dict(sparsity=0.8, mask_transport="bitmap", dense_warmup_steps=2, sparsity_warmup_steps=4),
+                       dict(sparsity=0.9, normalizer="shared", value_dtype="bf16")]
 
 
 def _consensus_mask_and_snap(rank: int, world: int) -> None:
@@ -262,7 +285,8 @@ RESUME_CONFIGS = [(dict(sparsity=0.9), 4),
                   (dict(sparsity=0.99, value_dtype="bf16", sparsity_warmup_steps=5, dense_warmup_steps=3), 3),
                   (dict(sparsity=0.9, outer_lr=0.7, outer_momentum=0.9), 4),
                   (dict(sparsity=0.9, mask_rule="deviation"), 3), (dict(sparsity=0.9, mask_rule="random"), 3),
-                  (dict(sparsity=0.8, mask_rule="cyclic"), 3)]
+                  (dict(sparsity=0.8, mask_rule="cyclic"), 3),
+                  (dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", value_dtype="bf16"), 3)]
 
 
 def _resume(rank: int, world: int) -> None:
@@ -294,7 +318,8 @@ def test_exact_resume_through_the_state_dicts():
 
 def _bytes(rank: int, world: int) -> None:
     for overrides in (dict(sparsity=0.99, mask_transport="indices"), dict(sparsity=0.9, mask_transport="bitmap"),
-                      dict(sparsity=0.99, value_dtype="bf16"), dict(sparsity=0.9, mask_rule="cyclic")):
+                      dict(sparsity=0.99, value_dtype="bf16"), dict(sparsity=0.9, mask_rule="cyclic"),
+                      dict(sparsity=0.9, mask_rule="cyclic", normalizer="shared")):
         cfg = avg_config(**overrides)
         model = make_model()
         sync = SparseAverageSynchronizer(model, cfg)
@@ -306,6 +331,9 @@ def _bytes(rank: int, world: int) -> None:
         s = 2 if cfg.value_dtype == "bf16" else 4
         cyclic = cfg.mask_rule == "cyclic"  # no mask crosses the network
         assert counted[1]["scape_values"] == all_reduce_bytes(s, world)  # step 1: the norm only
+        # ... and with one shared denominator, once, the clipped gradient that starts it
+        assert counted[1].get("grad_allreduce", 0) == (
+            all_reduce_bytes(4 * sync.layout.padded_numel, world) if cfg.normalizer == "shared" else 0)
         assert counted[1].get("scape_mask", 0) == formula["mask"] and (formula["mask"] == 0) == cyclic
         for step in (2, 3, 4):
             expected = {"scape_values": formula["values"], **({} if cyclic else {"scape_mask": formula["mask"]})}
@@ -395,6 +423,18 @@ def test_settings_are_checked_and_the_builders_dispatch():
         other.load_state_dict({"step": 2, "optimizer": {"momentum": torch.zeros(3)}})
     with pytest.raises(ValueError, match="rank 1 loaded on rank 0"):
         other.load_local_state_dict(dict(sync.local_state_dict(), rank=1))
+    with pytest.raises(ValueError, match="optimizer.normalizer='global'"):
+        SparseAverageSynchronizer(make_model(), avg_config(normalizer="global"))
+    with pytest.raises(ValueError, match="normalizer=shared .* needs optimizer.outer_lr=1"):
+        SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared", outer_lr=0.7))
+    with pytest.raises(ValueError, match="normalizer='shared' is a sparse_avg option"):
+        scape.build_synchronizer(make_model(), avg_config(name="scape", normalizer="shared"))
+    shared = SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared"))
+    train(shared.model, shared, 2, 0)
+    with pytest.raises(ValueError, match="written with optimizer.normalizer=shared"):
+        other.load_state_dict(shared.state_dict())
+    with pytest.raises(ValueError, match="written with optimizer.normalizer=local"):
+        SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared")).load_state_dict(sync.state_dict())
 
 
 def test_train_py_two_processes_with_sparse_avg(tmp_path, prepared_cache):
