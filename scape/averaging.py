@@ -118,6 +118,11 @@ class _LocalAdamS:
                                    self.decay_end)
 
 
+def _take(buffer: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """The exchanged coordinates of a flat buffer, as a new tensor (all of them without a mask)."""
+    return buffer.clone() if mask is None else buffer.index_select(0, mask)
+
+
 class _SharedNormalizer:
     """``normalizer=shared``: one replicated denominator D for every rank's local step.
 
@@ -155,18 +160,15 @@ class _SharedNormalizer:
         self.last.fill_(1)
         torch.add(mean_grad.abs(), self.eps, out=self.denominator)
 
-    def exchange(self, mean_drift: torch.Tensor, mask: Optional[torch.Tensor], step: int) -> None:
-        """Fold q of the exchanged coordinates into D (before the copies snap to x)."""
-        def take(buffer: torch.Tensor) -> torch.Tensor:
-            return buffer.clone() if mask is None else buffer.index_select(0, mask)
-
-        lr_sum, second, denom = take(self.lr_sum), take(self.second), take(self.denominator)
-        covered = (step - take(self.last)).float()
-        weight = torch.pow(torch.full_like(covered, self.beta), covered)
-        q = -mean_drift * denom / lr_sum.clamp(min=torch.finfo(lr_sum.dtype).tiny)
+    def fold(self, q: torch.Tensor, mask: Optional[torch.Tensor], step: int):
+        """(second, D) on the selection after folding in q, the revealed mean momentum (not stored)."""
+        second, lr_sum = _take(self.second, mask), _take(self.lr_sum, mask)
+        weight = torch.pow(torch.full_like(second, self.beta), (step - _take(self.last, mask)).float())
         folded = second * weight + q.square() * (1.0 - weight)
         second = torch.where(lr_sum > 0, folded, second)  # no lr since: nothing was revealed
-        denom = (second / (1.0 - self.beta ** step)).sqrt_().add_(self.eps)
+        return second, (second / (1.0 - self.beta ** step)).sqrt_().add_(self.eps)
+
+    def commit(self, second: torch.Tensor, denom: torch.Tensor, mask: Optional[torch.Tensor], step: int) -> None:
         if mask is None:
             self.second.copy_(second)
             self.denominator.copy_(denom)
@@ -177,6 +179,12 @@ class _SharedNormalizer:
             kernels.scatter(self.denominator, mask, denom)
             self.lr_sum.index_fill_(0, mask, 0.0)
             self.last.index_fill_(0, mask, step)
+
+    def exchange(self, mean_drift: torch.Tensor, mask: Optional[torch.Tensor], step: int) -> None:
+        """normalizer=shared: q = -mean drift D / lr sum, folded into D (before the copies snap to x)."""
+        lr_sum = _take(self.lr_sum, mask)
+        q = -mean_drift * _take(self.denominator, mask) / lr_sum.clamp(min=torch.finfo(lr_sum.dtype).tiny)
+        self.commit(*self.fold(q, mask, step), mask, step)
 
     def local_step(self, param: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor, lr: float,
                    beta1: float, bias_correction: float, weight_decay: float, decay_end: int) -> None:
@@ -238,8 +246,12 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
                                           ).to(self.device) if self.mask_rule == "cyclic" else None
         self.cycle_position = 0
         self.value_dtype = torch.bfloat16 if cfg.value_dtype == "bf16" else torch.float32
+        momentum_exchange = cfg.exchange == "momentum"
         self.normalizer = _SharedNormalizer(self.consensus, float(cfg.betas[1]), float(cfg.eps)
-                                            ) if cfg.normalizer == "shared" else None
+                                            ) if cfg.normalizer == "shared" or momentum_exchange else None
+        # exchange=momentum: A_i, this rank's lr-weighted sum of its bias-corrected momentum
+        # since each coordinate's last exchange (what the ranks average instead of the drift)
+        self.accumulated = torch.zeros_like(self.consensus) if momentum_exchange else None
 
         self.step_count = 0  # steps completed
         self._local_norm: Optional[torch.Tensor] = None
@@ -266,15 +278,21 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         payload = torch.empty(count + 1, dtype=self.value_dtype, device=self.device)
         kept = None  # bf16 payload: the rounding error of what was sent, kept in y_i
         if count:
-            drift = y - x if mask is None else y.index_select(0, mask) - x.index_select(0, mask)
-            payload[:count].copy_(drift)
+            if self.accumulated is not None:
+                sent = _take(self.accumulated, mask)
+            else:
+                sent = y - x if mask is None else y.index_select(0, mask) - x.index_select(0, mask)
+            payload[:count].copy_(sent)
             if self.value_dtype != torch.float32:
-                kept = drift.sub_(payload[:count].float())
+                kept = sent.sub_(payload[:count].float())
         payload[count] = self._local_norm.square()
         self.comm.all_reduce(payload, kind="scape_values")
         self._global_sq = payload[count].float()
         self._sent = count
         if not count:
+            return
+        if self.accumulated is not None:
+            self._consensus_step(payload[:count].float().div_(self.world), mask, step, kept)
             return
         mean = self._outer_step(payload[:count].float().div_(self.world), mask)
         self._record_rate(mean, mask, step)
@@ -290,6 +308,41 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             x.index_add_(0, mask, mean)
             snapped = x.index_select(0, mask)
             kernels.scatter(y, mask, snapped if kept is None else snapped.add_(kept))
+
+    def _consensus_update(self, mean_sum: torch.Tensor, mask: Optional[torch.Tensor], step: int):
+        """exchange=momentum: (x, second, D) on the selection after a step on the mean momentum sum.
+
+        mean_sum = sum_s lr_s mean_i m_i,s / bc_s over the steps since the last exchange, so
+        q = mean_sum / sum_s lr_s is the revealed mean momentum; D folds it in (as Adam's
+        denominator holds the current gradient, which also bounds the step by 1 / sqrt(1 - b2^S)),
+        then x = x (1 - wd sum_s lr_s) - mean_sum / D (the decay on the matrices only; exact at
+        density 1, to first order in lr wd over an interval).
+        """
+        lr_sum = _take(self.normalizer.lr_sum, mask)
+        q = mean_sum / lr_sum.clamp(min=torch.finfo(lr_sum.dtype).tiny)
+        second, denom = self.normalizer.fold(q, mask, step)
+        x = _take(self.consensus, mask)
+        decay_end, wd = self.optimizer.decay_end, self.optimizer.weight_decay
+        if wd:
+            index = torch.arange(x.numel(), device=self.device) if mask is None else mask
+            x.mul_(torch.where(index < decay_end, 1.0 - wd * lr_sum, torch.ones_like(lr_sum)))
+        return x.sub_(mean_sum / denom), second, denom
+
+    def _consensus_step(self, mean_sum: torch.Tensor, mask: Optional[torch.Tensor], step: int,
+                        kept: Optional[torch.Tensor]) -> None:
+        """exchange=momentum: the consensus steps on the exchanged coordinates, the copies snap to
+        it there and their sums restart (from the bf16 rounding error of what was sent)."""
+        x, second, denom = self._consensus_update(mean_sum, mask, step)
+        self.normalizer.commit(second, denom, mask, step)
+        rest = torch.zeros_like(x) if kept is None else kept
+        if mask is None:
+            self.consensus.copy_(x)
+            self.flat.data.copy_(x)
+            self.accumulated.copy_(rest)
+        else:
+            kernels.scatter(self.consensus, mask, x)
+            kernels.scatter(self.flat.data, mask, x)
+            kernels.scatter(self.accumulated, mask, rest)
 
     def _outer_step(self, mean_drift: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         """The consensus increment on the exchanged coordinates (in place of ``mean_drift``).
@@ -341,6 +394,9 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             generator = torch.Generator(device=self.device).manual_seed(1_000_003 * following + self.rank)
             self.score.copy_(torch.rand(self.score.shape, generator=generator, device=self.device))
             return
+        if self.accumulated is not None:  # exchange=momentum: the pending consensus movement
+            torch.abs(self.accumulated[own], out=self.score)
+            return
         torch.sub(self.flat.data[own], self.consensus[own], out=self.score)
         if self.consensus_rate is not None:  # minus what the consensus is predicted to do
             age = (following - self.last_exchange[own]).float()
@@ -358,8 +414,11 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
     @torch.no_grad()
     def step(self, lr: float) -> None:
         step = self.step_count + 1
-        if self.normalizer is None:
+        if self.normalizer is None or self.accumulated is not None:
             self.optimizer.step(self.flat.grad, lr, step)
+            if self.accumulated is not None:
+                self.accumulated.add_(self.optimizer.momentum, alpha=lr / (1.0 - self.optimizer.beta1 ** step))
+                self.normalizer.lr_sum.add_(lr)
         else:
             if step == 1:  # the only dense exchange of normalizer=shared: the clipped gradient,
                 # whose mean starts D and is every rank's step-1 gradient (a dense first step)
@@ -392,7 +451,15 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
     # --- the averaged model --------------------------------------------------------------------
     @torch.no_grad()
     def averaged_weights(self) -> torch.Tensor:
-        """x + mean_i d_i as a new flat buffer: one dense all-reduce (kind ``average``), collective."""
+        """x + mean_i d_i as a new flat buffer: one dense all-reduce (kind ``average``), collective.
+
+        With exchange=momentum: the consensus after exchanging every coordinate now (the
+        all-reduce is of the momentum sums), which changes no state."""
+        if self.accumulated is not None:
+            mean_sum = self.accumulated.clone()
+            self.comm.all_reduce(mean_sum, kind="average")
+            # the exchange of step t + 1 covers the local steps up to t
+            return self._consensus_update(mean_sum.div_(self.world), None, self.step_count + 1)[0]
         drift = self.flat.data - self.consensus
         self.comm.all_reduce(drift, kind="average")
         return drift.div_(self.world).add_(self.consensus)
@@ -484,9 +551,12 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self.masks.load_state_dict(state)
 
     def local_state_dict(self) -> Dict[str, Any]:
-        return {"params": self.flat.data.detach().cpu().clone(),
-                "momentum": self.optimizer.momentum.detach().cpu().clone(),
-                "rank": self.rank, "layout": self.masks.layout_record()}
+        state = {"params": self.flat.data.detach().cpu().clone(),
+                 "momentum": self.optimizer.momentum.detach().cpu().clone(),
+                 "rank": self.rank, "layout": self.masks.layout_record()}
+        if self.accumulated is not None:
+            state["accumulated"] = self.accumulated.detach().cpu().clone()
+        return state
 
     def load_local_state_dict(self, state: Dict[str, Any]) -> None:
         self.masks.check_layout(state.get("layout"))
@@ -495,9 +565,15 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
                              "it was written by another optimizer")
         if int(state["rank"]) != self.rank:
             raise ValueError(f"sparse_avg state of rank {state['rank']} loaded on rank {self.rank}")
+        if (self.accumulated is None) != ("accumulated" not in state):
+            written = "momentum" if "accumulated" in state else "drift"
+            raise ValueError(f"this rank's checkpoint was written with optimizer.exchange={written}; "
+                             f"resume with the exchange that wrote it")
         with torch.no_grad():
             self.flat.data.copy_(state["params"])
             self.optimizer.momentum.copy_(state["momentum"])
+            if self.accumulated is not None:
+                self.accumulated.copy_(state["accumulated"])
 
     def load_resharded_state(self, state: Dict[str, Any], shards: Any) -> None:
         """Elastic resume from a checkpoint of ``shards.world`` ranks (collective).
@@ -536,13 +612,19 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             if "params" not in local or "momentum" not in local:
                 raise ValueError("a rank's checkpoint file holds no sparse_avg copy and momentum; "
                                  "it was written by another optimizer")
-            return {"params": local["params"], "momentum": local["momentum"]}
+            if self.accumulated is not None and "accumulated" not in local:
+                raise ValueError("a rank's checkpoint file holds no momentum sums: it was written with "
+                                 "optimizer.exchange=drift; resume with the exchange that wrote it")
+            return {key: local[key] for key in keys}
 
-        like = {key: torch.empty(old["padded_numel"]) for key in ("params", "momentum")}
+        keys = ("params", "momentum") + (("accumulated",) if self.accumulated is not None else ())
+        like = {key: torch.empty(old["padded_numel"]) for key in keys}
         mean = shards.mean(copy_and_momentum, like, self.comm, self.rank, self.world, self.device)
         with torch.no_grad():
             self.flat.data.copy_(repad(mean["params"].cpu(), numel, padded))
             self.optimizer.momentum.copy_(repad(mean["momentum"].cpu(), numel, padded))
+            if self.accumulated is not None:
+                self.accumulated.copy_(repad(mean["accumulated"].cpu(), numel, padded))
         following = self.step_count + 1
         if "mask" in state and not self.is_dense(following):
             self._choose_mask(following, async_op=False, overlap=False)

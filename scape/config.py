@@ -46,3 +46,8 @@ class OptimizerConfig(DenseOptimizerConfig):
     # denominator (shared) built from the momentum the averaged drifts reveal, so every local
     # step is linear and the average of the local steps is the step on the mean momentum
     normalizer: str = "local"
+    # what the all-reduce averages: the drift y_i - x (the copies' mean becomes the consensus), or
+    # momentum: each rank's lr-weighted sum of its momentum since the coordinate's last exchange,
+    # on which the consensus takes its own step over one shared denominator (the copies only
+    # say where the gradients are taken)
+    exchange: str = "drift"

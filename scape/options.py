@@ -45,9 +45,10 @@ def as_dataclass(cfg) -> OptimizerConfig:
 
 
 # keys that only optimizer=sparse_avg reads (scape/averaging.py has the list the other way round)
-SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule", "normalizer")
+SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule", "normalizer", "exchange")
 MASK_RULES = ("drift", "deviation", "random", "cyclic")
 NORMALIZERS = ("local", "shared")
+EXCHANGES = ("drift", "momentum")
 
 
 def refuse_foreign_keys(cfg: OptimizerConfig, keys, owner: str, here: str) -> None:
@@ -96,6 +97,12 @@ def validate_config(cfg: OptimizerConfig) -> None:
                          f"(0 = plain averaging)")
     _choice("mask_rule", cfg.mask_rule, MASK_RULES)
     _choice("normalizer", cfg.normalizer, NORMALIZERS)
+    _choice("exchange", cfg.exchange, EXCHANGES)
+    if cfg.exchange == "momentum" and (cfg.normalizer != "local" or cfg.outer_lr != 1 or cfg.outer_momentum != 0
+                                       or cfg.mask_rule == "deviation"):
+        raise ValueError("optimizer.exchange=momentum steps the consensus on the averaged momentum over its own "
+                         "shared denominator; it needs optimizer.normalizer=local, outer_lr=1, outer_momentum=0 "
+                         "and a mask_rule other than deviation")
     if cfg.normalizer == "shared" and (cfg.outer_lr != 1 or cfg.outer_momentum != 0):
         raise ValueError("optimizer.normalizer=shared reads the mean momentum from the plainly averaged "
                          "drift; it needs optimizer.outer_lr=1 and optimizer.outer_momentum=0")

@@ -120,6 +120,7 @@ _PARTS = {
     "rand": (("optimizer.mask_rule=random",), "random mask"),  # sparse_avg only
     "cyc": (("optimizer.mask_rule=cyclic",), "cyclic mask (none sent)"),  # sparse_avg only
     "shnorm": (("optimizer.normalizer=shared",), "one shared denominator"),  # sparse_avg only
+    "exmom": (("optimizer.exchange=momentum",), "consensus steps on the averaged momentum sums"),  # sparse_avg only
     "sp": (("optimizer.sparsity={n}",), "sparsity {n}"),
     "bfloat": (("optimizer.value_dtype=bf16",), "bf16 values"),
     # sparse_avg's rule before the mask-rule study: the owner's top-k drifts, fp32 values
@@ -132,7 +133,7 @@ def compose_arm(name: str) -> Optional[Arm]:
     that sparsity), sma90 / sma99 (sparse model averaging) or adams / adamw; parts: post, capN /
     lrsumN (catch-up capped at N; 0 = 1 / density), warmN, clip, noclip, lrX, and for sparse
     averaging omX / olrX (outer Nesterov momentum / outer lr), dev / rand / cyc / topk (mask rule), shnorm (one shared
-    denominator); spX sets the sparsity, bfloat the
+    denominator), exmom (the consensus steps on the averaged momentum sums); spX sets the sparsity, bfloat the
     value dtype. None if the name is
     not of that form."""
     base, *parts = name.split("+")

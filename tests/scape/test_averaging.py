@@ -62,6 +62,8 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
     ys = [x.clone() for _ in range(world)]
     ms = [torch.zeros_like(x) for _ in range(world)]
     shared = cfg.normalizer == "shared"  # one denominator D from the revealed mean momentum
+    summed = cfg.exchange == "momentum"  # the consensus steps on the mean momentum sum over D
+    sums = [torch.zeros_like(x) for _ in range(world)]
     second, lr_sum, last_sent, denom = torch.zeros_like(x), torch.zeros_like(x), torch.zeros_like(x), None
     mask, history = None, []
     for t in range(1, steps + 1):
@@ -74,6 +76,16 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
             grads.append(flat.grad.clone())
         if t > 1:  # the exchange: average the drifts on the mask (everything while t <= W)
             sel = torch.arange(x.numel()) if t <= dense_until else mask
+            if summed:
+                mean_sum = sum(a[sel] for a in sums) / world
+                q = mean_sum / lr_sum[sel]
+                w = b2 ** (t - last_sent[sel])
+                second[sel] = w * second[sel] + (1 - w) * q ** 2
+                d = (second[sel] / (1 - b2 ** t)).sqrt() + eps
+                x[sel] = x[sel] * torch.where(sel < decay_end, 1 - wd * lr_sum[sel], 1.0) - mean_sum / d
+                lr_sum[sel], last_sent[sel] = 0, t
+                for y, a in zip(ys, sums):
+                    y[sel], a[sel] = x[sel], 0
             delta = sum(y[sel] - x[sel] for y in ys) / world
             u[sel] = mu * u[sel] + delta
             x[sel] += eta * (delta + mu * u[sel])
@@ -105,7 +117,10 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
             local_denom = (b2 * (m / c) ** 2 + (1 - b2) * g ** 2).sqrt() + eps
             m.mul_(b1).add_((1 - b1) * g)
             y -= lr * (m / c) / local_denom
-        if shared:
+        for a, m in zip(sums, ms):
+            if summed:
+                a += lr * m / c
+        if shared or summed:
             lr_sum += lr
         if t + 1 > dense_until:  # the next mask: top-k of |y_r - x| on partition r, by its owner
             density = rho ** ((t + 1) / warm) if warm and t + 1 < warm else rho
@@ -121,7 +136,7 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
                 if cfg.mask_rule == "random":
                     scores.append(torch.rand(size, generator=torch.Generator().manual_seed(1_000_003 * (t + 1) + r)))
                     continue
-                score = ys[r] - x
+                score = sums[r] if summed else ys[r] - x
                 if cfg.mask_rule == "deviation":
                     score = score - rate * (t + 1 - last)
                 scores.append(score[r * size:(r + 1) * size].abs())
@@ -138,7 +153,9 @@ REFERENCE_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.8, dense_warmup_steps=3
                      dict(sparsity=0.9, mask_rule="random"),
                      dict(sparsity=0.8, mask_rule="cyclic", sparsity_warmup_steps=5),
                      dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", sparsity_warmup_steps=4),
-                     dict(sparsity=0.9, normalizer="shared", dense_warmup_steps=2)]
+                     dict(sparsity=0.9, normalizer="shared", dense_warmup_steps=2),
+                     dict(sparsity=0.8, mask_rule="cyclic", exchange="momentum", sparsity_warmup_steps=4),
+                     dict(sparsity=0.9, exchange="momentum", dense_warmup_steps=3)]
 
 
 def _equals_reference(rank: int, world: int) -> None:
@@ -163,7 +180,8 @@ def test_two_ranks_equal_the_single_process_arithmetic():
 
 CONSISTENCY_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.99, value_dtype="bf16", mask_transport="indices"),
                        dict(sparsity=0.8, mask_transport="bitmap", dense_warmup_steps=2, sparsity_warmup_steps=4),
-                       dict(sparsity=0.9, normalizer="shared", value_dtype="bf16")]
+                       dict(sparsity=0.9, normalizer="shared", value_dtype="bf16"),
+                       dict(sparsity=0.9, exchange="momentum")]
 
 
 def _consensus_mask_and_snap(rank: int, world: int) -> None:
@@ -286,7 +304,9 @@ RESUME_CONFIGS = [(dict(sparsity=0.9), 4),
                   (dict(sparsity=0.9, outer_lr=0.7, outer_momentum=0.9), 4),
                   (dict(sparsity=0.9, mask_rule="deviation"), 3), (dict(sparsity=0.9, mask_rule="random"), 3),
                   (dict(sparsity=0.8, mask_rule="cyclic"), 3),
-                  (dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", value_dtype="bf16"), 3)]
+                  (dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", value_dtype="bf16"), 3),
+                  (dict(sparsity=0.8, mask_rule="cyclic", exchange="momentum", value_dtype="bf16"), 3),
+                  (dict(sparsity=0.9, exchange="momentum"), 4)]
 
 
 def _resume(rank: int, world: int) -> None:
@@ -429,6 +449,17 @@ def test_settings_are_checked_and_the_builders_dispatch():
         SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared", outer_lr=0.7))
     with pytest.raises(ValueError, match="normalizer='shared' is a sparse_avg option"):
         scape.build_synchronizer(make_model(), avg_config(name="scape", normalizer="shared"))
+    with pytest.raises(ValueError, match="optimizer.exchange='gradient'"):
+        SparseAverageSynchronizer(make_model(), avg_config(exchange="gradient"))
+    with pytest.raises(ValueError, match="exchange=momentum .* needs optimizer.normalizer=local"):
+        SparseAverageSynchronizer(make_model(), avg_config(exchange="momentum", normalizer="shared"))
+    summed = SparseAverageSynchronizer(make_model(), avg_config(exchange="momentum"))
+    train(summed.model, summed, 2, 0)
+    with pytest.raises(ValueError, match="written with optimizer.exchange=momentum"):
+        other.load_local_state_dict(summed.local_state_dict())
+    with pytest.raises(ValueError, match="written with optimizer.exchange=drift"):
+        SparseAverageSynchronizer(make_model(), avg_config(exchange="momentum")).load_local_state_dict(
+            sync.local_state_dict())
     shared = SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared"))
     train(shared.model, shared, 2, 0)
     with pytest.raises(ValueError, match="written with optimizer.normalizer=shared"):
