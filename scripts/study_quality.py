@@ -97,10 +97,10 @@ for _pct, _sparsity in (("90", "0.9"), ("99", "0.99")):
                                     "docs/specs/SCAPE.md as written: pre-send score, no catch-up, no warm-up", False)
     ARMS[f"sma{_pct}"] = Arm(f"sma{_pct}", f"sparse model averaging, {_pct}%",
                              ("optimizer=sparse_avg", f"optimizer.sparsity={_sparsity}"),
-                             "local AdamS per rank; k drifts per partition averaged each step, on a fixed "
-                             "cycle (no mask sent), in bf16", False)
+                             "local momentum per rank over one shared denominator; k drifts per partition "
+                             "averaged each step, on a fixed cycle (no mask sent), in bf16", False)
 ARMS["sma0"] = Arm("sma0", "sparse model averaging, density 1", ("optimizer=sparse_avg", "optimizer.sparsity=0.0"),
-                   "every drift averaged every step: what local AdamS + averaging costs without sparsity", False)
+                   "every drift averaged every step: what the local steps + averaging cost without sparsity", False)
 
 
 # Composed SCAPE arms, named by their recipe: scape99+post+cap32+warm20 (see compose_arm).
@@ -120,6 +120,7 @@ _PARTS = {
     "rand": (("optimizer.mask_rule=random",), "random mask"),  # sparse_avg only
     "cyc": (("optimizer.mask_rule=cyclic",), "cyclic mask (none sent)"),  # sparse_avg only
     "shnorm": (("optimizer.normalizer=shared",), "one shared denominator"),  # sparse_avg only
+    "lnorm": (("optimizer.normalizer=local",), "each rank's own denominator"),  # sparse_avg's rule before
     "exmom": (("optimizer.exchange=momentum",), "consensus steps on the averaged momentum sums"),  # sparse_avg only
     "sp": (("optimizer.sparsity={n}",), "sparsity {n}"),
     "bfloat": (("optimizer.value_dtype=bf16",), "bf16 values"),
@@ -132,8 +133,8 @@ def compose_arm(name: str) -> Optional[Arm]:
     """An arm named by its recipe, ``base+part+part...``: base scape90 / scape99 (the spec's rule at
     that sparsity), sma90 / sma99 (sparse model averaging) or adams / adamw; parts: post, capN /
     lrsumN (catch-up capped at N; 0 = 1 / density), warmN, clip, noclip, lrX, and for sparse
-    averaging omX / olrX (outer Nesterov momentum / outer lr), dev / rand / cyc / topk (mask rule), shnorm (one shared
-    denominator), exmom (the consensus steps on the averaged momentum sums); spX sets the sparsity, bfloat the
+    averaging omX / olrX (outer Nesterov momentum / outer lr), dev / rand / cyc / topk (mask rule), shnorm / lnorm (one shared
+    denominator / each rank's own), exmom (the consensus steps on the averaged momentum sums); spX sets the sparsity, bfloat the
     value dtype. None if the name is
     not of that form."""
     base, *parts = name.split("+")
