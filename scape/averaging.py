@@ -21,9 +21,11 @@ One step t, in the loop's order
                       own norm. The returned norm is sqrt(mean_i ||g_i||^2), the root mean square
                       of the local norms, from the all-reduced squared norms: every rank gets the
                       same number, so a non-finite step is skipped by all ranks together.
-    step              dense AdamS on y_i with the local gradient and the local momentum
-                      (``scape.kernels.adams_dense_update``: decoupled weight decay on the
-                      ndim >= 2 prefix of the flat layout, exactly dense AdamS's arithmetic).
+    step              normalizer=local: dense AdamS on y_i with the local gradient and the
+                      local momentum (``scape.kernels.adams_dense_update``: decoupled weight
+                      decay on the ndim >= 2 prefix of the flat layout, dense AdamS's arithmetic);
+                      normalizer=shared: the same momentum and decay over one replicated
+                      denominator D (``_SharedNormalizer``), so the local steps are linear.
     after_step        score |d_i| = |y_i - x| on this rank's own partition(s); exact top-k per
                       partition (``scape.topk``), k = ceil(density(t+1) |P_r|) with SCAPE's
                       sparsity warm-up; encode (``scape.transport``: bitmap / indices / auto) and
@@ -53,8 +55,9 @@ all-reduce (kind ``average``), only at evaluation and checkpoint time (``evaluat
 ``model_state_dict``). The trainer counts bytes per training step, so -- like the validation
 loss all-reduce -- it is not part of the per-step bytes or the compression ratio.
 
-Checkpoints: ``state_dict`` (rank 0) holds x, the step and the pending mask as a bitmap;
-``local_state_dict`` (every rank) holds y_i and m_i. The trainer loads the model weights (the
+Checkpoints: ``state_dict`` (rank 0) holds x, the step, the pending mask as a bitmap and the
+shared denominator's buffers; ``local_state_dict`` (every rank) holds y_i and m_i (and A_i with
+``exchange=momentum``). The trainer loads the model weights (the
 average) first, then these two, so y_i is restored exactly and a resumed run is bit-identical.
 On another number of ranks (``load_resharded_state``) every new rank starts from the mean of the
 old copies and of the old momenta: the average model x + mean_i d_i is kept, the drift is shared
