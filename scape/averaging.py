@@ -156,6 +156,7 @@ class _SharedNormalizer:
         self.lr_sum = torch.zeros_like(like)  # learning rates summed since the last exchange
         self.last = torch.zeros(like.numel(), dtype=torch.int32, device=like.device)
         self.denominator = torch.ones_like(like)
+        self.clamped: Optional[torch.Tensor] = None  # coordinates whose last local step was clamped
 
     def start(self, mean_grad: torch.Tensor) -> None:
         """Step 1: the (clipped) mean gradient is the first q."""
@@ -202,6 +203,7 @@ class _SharedNormalizer:
             param[:decay_end].mul_(1.0 - lr * weight_decay)
         momentum.mul_(beta1).add_(grad, alpha=1.0 - beta1)
         update = torch.div(momentum, self.denominator).mul_(1.0 / bias_correction)
+        self.clamped = (update.abs() > self.bound).sum()  # a device tensor: read at log steps only
         param.add_(update.clamp_(-self.bound, self.bound), alpha=-lr)
         self.lr_sum.add_(lr)
 
@@ -498,6 +500,8 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
                "scape/drift_norm": float(torch.linalg.vector_norm(self.flat.data - self.consensus))}
         if self._local_norm is not None:
             out["scape/local_grad_norm"] = float(self._local_norm)
+        if self.normalizer is not None and self.normalizer.clamped is not None:
+            out["scape/clamped_fraction"] = float(self.normalizer.clamped) / self.layout.numel
         out.update(self.masks.metrics())
         return out
 

@@ -269,6 +269,43 @@ def test_density_one_averages_the_local_adams_updates_every_step():
     run_distributed(_density_one, world_size=2)
 
 
+def _shared_denominator_moves_the_mean_by_the_mean_momentum(rank: int, world: int) -> None:
+    """normalizer=shared at density 1: the consensus moves by exactly the step on the mean of the
+    ranks' momenta over the one denominator D (identical on every rank), which the local AdamS
+    denominators do not give."""
+    cfg = avg_config(sparsity=0.0, normalizer="shared", weight_decay=0.0)
+    model = make_model()
+    sync = SparseAverageSynchronizer(model, cfg)
+    lr, b1, seen = 1e-2, cfg.betas[0], {}
+
+    def before(step):
+        seen["x"] = sync.consensus.clone()
+        seen["denominator"] = sync.normalizer.denominator.clone()
+        seen["momenta"] = _gathered(sync.optimizer.momentum, world)
+
+    def after_exchange(step):
+        first, second = _gathered(sync.normalizer.denominator, world)
+        assert torch.equal(first, second), f"D differs between ranks at step {step}"
+        if step > 2:  # the drift exchanged at t is the local step of t - 1, taken over D(t - 1)
+            steps = [m / (1 - b1 ** (step - 1)) / seen["denominator"] for m in seen["momenta"]]
+            bound = (1 - cfg.betas[1]) ** -0.5  # AdamS's largest step: the clamp of a local step
+            linear = torch.stack([u.abs() <= bound for u in steps]).all(0)
+            # early on the clamp binds on a tenth of this small model (D still from steps 1-2)
+            assert linear.float().mean() > 0.5, f"the clamp bound {1 - linear.float().mean():.1%} at step {step}"
+            expected = seen["x"] - lr * sum(steps) / world  # the step on the mean momentum
+            torch.testing.assert_close(sync.consensus[linear], expected[linear], rtol=0, atol=1e-6,
+                                       msg=f"step {step}")
+
+    train(model, sync, 6, rank, lr=lr, before_reduce=before, hook=after_exchange)
+    assert 0.0 <= sync.metrics()["scape/clamped_fraction"] < 0.5
+    copies = _gathered(sync.flat.data, world)
+    assert not torch.equal(copies[0], copies[1])  # each rank still steps with its own momentum
+
+
+def test_shared_denominator_moves_the_mean_by_the_mean_momentum():
+    run_distributed(_shared_denominator_moves_the_mean_by_the_mean_momentum, world_size=2)
+
+
 def _averaged_model(rank: int, world: int) -> None:
     model = make_model()
     sync = SparseAverageSynchronizer(model, avg_config(sparsity=0.9))
