@@ -92,10 +92,14 @@ def validate_sparse_avg(cfg: OptimizerConfig) -> None:
 
 
 def sparse_avg_step_bytes(numel: int, world: int, sparsity: float, mask_transport: str = "auto",
-                          value_dtype: str = "fp32", mask_rule: str = "drift") -> Dict[str, float]:
+                          value_dtype: str = "fp32", mask_rule: str = "drift",
+                          normalizer: str = "local") -> Dict[str, float]:
     """Bytes per rank of a sparse step: SCAPE's formula plus the one norm value in the payload
-    (and no mask with ``mask_rule=cyclic``, which every rank computes alike)."""
+    (and no mask with ``mask_rule=cyclic``, which every rank computes alike); with
+    ``normalizer=revealed`` the momenta travel beside the drifts (twice the values)."""
     out = dict(scape_step_bytes(numel, world, sparsity, mask_transport, value_dtype))
+    if normalizer == "revealed":
+        out["values"] *= 2
     out["values"] += all_reduce_bytes(VALUE_BYTES[value_dtype], world)
     if mask_rule == "cyclic":
         out["mask"], out["transport"] = 0, "none"
@@ -149,8 +153,11 @@ class _SharedNormalizer:
     (the raw average, the lr sum, the last exchange's step) and no bytes after step 1.
     """
 
-    def __init__(self, like: torch.Tensor, beta: float, eps: float) -> None:
+    def __init__(self, like: torch.Tensor, beta: float, eps: float, max_covered: Optional[float] = None) -> None:
         self.beta, self.eps = beta, eps
+        # normalizer=revealed: one revealed momentum is one sample, worth at most the momentum's
+        # correlation time 1 / (1 - b1) of steps however long the interval was
+        self.max_covered = max_covered
         self.bound = 1.0 / math.sqrt(1.0 - beta)
         self.second = torch.zeros_like(like)  # the average of q^2, not bias-corrected
         self.lr_sum = torch.zeros_like(like)  # learning rates summed since the last exchange
@@ -167,7 +174,10 @@ class _SharedNormalizer:
     def fold(self, q: torch.Tensor, mask: Optional[torch.Tensor], step: int):
         """(second, D) on the selection after folding in q, the revealed mean momentum (not stored)."""
         second, lr_sum = _take(self.second, mask), _take(self.lr_sum, mask)
-        weight = torch.pow(torch.full_like(second, self.beta), (step - _take(self.last, mask)).float())
+        covered = (step - _take(self.last, mask)).float()
+        if self.max_covered is not None:
+            covered.clamp_(max=self.max_covered)
+        weight = torch.pow(torch.full_like(second, self.beta), covered)
         folded = second * weight + q.square() * (1.0 - weight)
         second = torch.where(lr_sum > 0, folded, second)  # no lr since: nothing was revealed
         return second, (second / (1.0 - self.beta ** step)).sqrt_().add_(self.eps)
@@ -252,8 +262,11 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self.cycle_position = 0
         self.value_dtype = torch.bfloat16 if cfg.value_dtype == "bf16" else torch.float32
         momentum_exchange = cfg.exchange == "momentum"
-        self.normalizer = _SharedNormalizer(self.consensus, float(cfg.betas[1]), float(cfg.eps)
-                                            ) if cfg.normalizer == "shared" or momentum_exchange else None
+        self.revealed = cfg.normalizer == "revealed"
+        self.normalizer = _SharedNormalizer(
+            self.consensus, float(cfg.betas[1]), float(cfg.eps),
+            1.0 / (1.0 - float(cfg.betas[0])) if self.revealed else None,
+        ) if cfg.normalizer in ("shared", "revealed") or momentum_exchange else None
         # exchange=momentum: A_i, this rank's lr-weighted sum of its bias-corrected momentum
         # since each coordinate's last exchange (what the ranks average instead of the drift)
         self.accumulated = torch.zeros_like(self.consensus) if momentum_exchange else None
@@ -280,7 +293,8 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         else:
             mask = self.masks.mask_for(step)
             count = mask.numel()
-        payload = torch.empty(count + 1, dtype=self.value_dtype, device=self.device)
+        revealed = count if self.revealed else 0  # normalizer=revealed: the momenta, after the drifts
+        payload = torch.empty(count + revealed + 1, dtype=self.value_dtype, device=self.device)
         kept = None  # bf16 payload: the rounding error of what was sent, kept in y_i
         if count:
             if self.accumulated is not None:
@@ -290,9 +304,11 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             payload[:count].copy_(sent)
             if self.value_dtype != torch.float32:
                 kept = sent.sub_(payload[:count].float())
-        payload[count] = self._local_norm.square()
+            if revealed:
+                payload[count:2 * count].copy_(_take(self.optimizer.momentum, mask))
+        payload[-1] = self._local_norm.square()
         self.comm.all_reduce(payload, kind="scape_values")
-        self._global_sq = payload[count].float()
+        self._global_sq = payload[-1].float()
         self._sent = count
         if not count:
             return
@@ -301,7 +317,10 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             return
         mean = self._outer_step(payload[:count].float().div_(self.world), mask)
         self._record_rate(mean, mask, step)
-        if self.normalizer is not None:
+        if self.revealed:  # q: the mean momentum now (after step t - 1), bias-corrected
+            q = payload[count:2 * count].float().div_(self.world * (1.0 - self.optimizer.beta1 ** (step - 1)))
+            self.normalizer.commit(*self.normalizer.fold(q, mask, step), mask, step)
+        elif self.normalizer is not None:
             self.normalizer.exchange(mean, mask, step)
         if mask is None:
             x.add_(mean)

@@ -44,7 +44,8 @@ class OptimizerConfig(DenseOptimizerConfig):
     mask_rule: str = "drift"
     # the denominator of the local AdamS steps: each rank's own (local) or one replicated
     # denominator (shared) built from the momentum the averaged drifts reveal, so every local
-    # step is linear and the average of the local steps is the step on the mean momentum
+    # step is linear and the average of the local steps is the step on the mean momentum;
+    # revealed: the same, D from the mean momentum itself, sent beside the drifts (twice the values)
     normalizer: str = "local"
     # what the all-reduce averages: the drift y_i - x (the copies' mean becomes the consensus), or
     # momentum: each rank's lr-weighted sum of its momentum since the coordinate's last exchange,

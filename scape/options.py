@@ -47,7 +47,7 @@ def as_dataclass(cfg) -> OptimizerConfig:
 # keys that only optimizer=sparse_avg reads (scape/averaging.py has the list the other way round)
 SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule", "normalizer", "exchange")
 MASK_RULES = ("drift", "deviation", "random", "cyclic")
-NORMALIZERS = ("local", "shared")
+NORMALIZERS = ("local", "shared", "revealed")
 EXCHANGES = ("drift", "momentum")
 
 
@@ -103,8 +103,8 @@ def validate_config(cfg: OptimizerConfig) -> None:
         raise ValueError("optimizer.exchange=momentum steps the consensus on the averaged momentum over its own "
                          "shared denominator; it needs optimizer.normalizer=local, outer_lr=1, outer_momentum=0 "
                          "and a mask_rule other than deviation")
-    if cfg.normalizer == "shared" and (cfg.outer_lr != 1 or cfg.outer_momentum != 0):
-        raise ValueError("optimizer.normalizer=shared reads the mean momentum from the plainly averaged "
+    if cfg.normalizer != "local" and (cfg.outer_lr != 1 or cfg.outer_momentum != 0):
+        raise ValueError(f"optimizer.normalizer={cfg.normalizer} reads the mean momentum from the plainly averaged "
                          "drift; it needs optimizer.outer_lr=1 and optimizer.outer_momentum=0")
     b1, b2 = cfg.betas
     if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):

@@ -121,6 +121,7 @@ _PARTS = {
     "cyc": (("optimizer.mask_rule=cyclic",), "cyclic mask (none sent)"),  # sparse_avg only
     "shnorm": (("optimizer.normalizer=shared",), "one shared denominator"),  # sparse_avg only
     "lnorm": (("optimizer.normalizer=local",), "each rank's own denominator"),  # sparse_avg's rule before
+    "rvnorm": (("optimizer.normalizer=revealed",), "one shared denominator from the sent momenta"),  # sparse_avg only
     "exmom": (("optimizer.exchange=momentum",), "consensus steps on the averaged momentum sums"),  # sparse_avg only
     "sp": (("optimizer.sparsity={n}",), "sparsity {n}"),
     "bfloat": (("optimizer.value_dtype=bf16",), "bf16 values"),
@@ -133,8 +134,8 @@ def compose_arm(name: str) -> Optional[Arm]:
     """An arm named by its recipe, ``base+part+part...``: base scape90 / scape99 (the spec's rule at
     that sparsity), sma90 / sma99 (sparse model averaging) or adams / adamw; parts: post, capN /
     lrsumN (catch-up capped at N; 0 = 1 / density), warmN, clip, noclip, lrX, and for sparse
-    averaging omX / olrX (outer Nesterov momentum / outer lr), dev / rand / cyc / topk (mask rule), shnorm / lnorm (one shared
-    denominator / each rank's own), exmom (the consensus steps on the averaged momentum sums); spX sets the sparsity, bfloat the
+    averaging omX / olrX (outer Nesterov momentum / outer lr), dev / rand / cyc / topk (mask rule), shnorm / rvnorm / lnorm (one shared
+    denominator from the drift / from momenta sent beside it / each rank's own), exmom (the consensus steps on the averaged momentum sums); spX sets the sparsity, bfloat the
     value dtype. None if the name is
     not of that form."""
     base, *parts = name.split("+")

@@ -61,7 +61,8 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
     order, position = torch.randperm(size, generator=torch.Generator().manual_seed(0)), 0  # cyclic
     ys = [x.clone() for _ in range(world)]
     ms = [torch.zeros_like(x) for _ in range(world)]
-    shared = cfg.normalizer == "shared"  # one denominator D from the revealed mean momentum
+    shared = cfg.normalizer in ("shared", "revealed")  # one denominator D from the mean momentum
+    revealed = cfg.normalizer == "revealed"  # ... sent beside the drift, one sample per exchange
     summed = cfg.exchange == "momentum"  # the consensus steps on the mean momentum sum over D
     sums = [torch.zeros_like(x) for _ in range(world)]
     second, lr_sum, last_sent, denom = torch.zeros_like(x), torch.zeros_like(x), torch.zeros_like(x), None
@@ -94,6 +95,9 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
             if shared:
                 q = -delta * denom[sel] / lr_sum[sel]
                 w = b2 ** (t - last_sent[sel])
+                if revealed:
+                    q = sum(m[sel] for m in ms) / world / (1 - b1 ** (t - 1))
+                    w = b2 ** (t - last_sent[sel]).clamp(max=1 / (1 - b1))
                 second[sel] = w * second[sel] + (1 - w) * q ** 2
                 denom[sel] = (second[sel] / (1 - b2 ** t)).sqrt() + eps
                 lr_sum[sel], last_sent[sel] = 0, t
@@ -154,6 +158,7 @@ REFERENCE_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.8, dense_warmup_steps=3
                      dict(sparsity=0.8, mask_rule="cyclic", sparsity_warmup_steps=5),
                      dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", sparsity_warmup_steps=4),
                      dict(sparsity=0.9, normalizer="shared", dense_warmup_steps=2),
+                     dict(sparsity=0.8, mask_rule="cyclic", normalizer="revealed", sparsity_warmup_steps=4),
                      dict(sparsity=0.8, mask_rule="cyclic", exchange="momentum", sparsity_warmup_steps=4),
                      dict(sparsity=0.9, exchange="momentum", dense_warmup_steps=3)]
 
@@ -343,6 +348,7 @@ RESUME_CONFIGS = [(dict(sparsity=0.9), 4),
                   (dict(sparsity=0.8, mask_rule="cyclic"), 3),
                   (dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", value_dtype="bf16"), 3),
                   (dict(sparsity=0.8, mask_rule="cyclic", exchange="momentum", value_dtype="bf16"), 3),
+                  (dict(sparsity=0.9, mask_rule="cyclic", normalizer="revealed", value_dtype="bf16"), 3),
                   (dict(sparsity=0.9, exchange="momentum"), 4)]
 
 
@@ -376,7 +382,8 @@ def test_exact_resume_through_the_state_dicts():
 def _bytes(rank: int, world: int) -> None:
     for overrides in (dict(sparsity=0.99, mask_transport="indices"), dict(sparsity=0.9, mask_transport="bitmap"),
                       dict(sparsity=0.99, value_dtype="bf16"), dict(sparsity=0.9, mask_rule="cyclic"),
-                      dict(sparsity=0.9, mask_rule="cyclic", normalizer="shared")):
+                      dict(sparsity=0.9, mask_rule="cyclic", normalizer="shared"),
+                      dict(sparsity=0.9, mask_rule="cyclic", normalizer="revealed", value_dtype="bf16")):
         cfg = avg_config(**overrides)
         model = make_model()
         sync = SparseAverageSynchronizer(model, cfg)
@@ -384,18 +391,19 @@ def _bytes(rank: int, world: int) -> None:
         train(model, sync, 4, rank, before_reduce=lambda step: sync.comm.counter.reset(),
               after=lambda step: counted.__setitem__(step, dict(sync.comm.counter.bytes)))
         formula = sparse_avg_step_bytes(sync.layout.numel, world, cfg.sparsity, cfg.mask_transport,
-                                        cfg.value_dtype, cfg.mask_rule)
+                                        cfg.value_dtype, cfg.mask_rule, cfg.normalizer)
         s = 2 if cfg.value_dtype == "bf16" else 4
         cyclic = cfg.mask_rule == "cyclic"  # no mask crosses the network
         assert counted[1]["scape_values"] == all_reduce_bytes(s, world)  # step 1: the norm only
         # ... and with one shared denominator, once, the clipped gradient that starts it
         assert counted[1].get("grad_allreduce", 0) == (
-            all_reduce_bytes(4 * sync.layout.padded_numel, world) if cfg.normalizer == "shared" else 0)
+            all_reduce_bytes(4 * sync.layout.padded_numel, world) if cfg.normalizer != "local" else 0)
         assert counted[1].get("scape_mask", 0) == formula["mask"] and (formula["mask"] == 0) == cyclic
         for step in (2, 3, 4):
             expected = {"scape_values": formula["values"], **({} if cyclic else {"scape_mask": formula["mask"]})}
             assert counted[step] == expected
-        assert formula["values"] == all_reduce_bytes((world * formula["k"] + 1) * s, world)
+        per_coordinate = 2 if cfg.normalizer == "revealed" else 1  # the momenta beside the drifts
+        assert formula["values"] == all_reduce_bytes((per_coordinate * world * formula["k"] + 1) * s, world)
         metrics = sync.metrics()
         assert metrics["scape/density"] == world * formula["k"] / sync.layout.padded_numel
         assert metrics["scape/dense_step"] == 0.0 and metrics["scape/drift_norm"] > 0
