@@ -205,9 +205,11 @@ class _SharedNormalizer:
         """y *= 1 - lr wd (decay range); m = b1 m + (1 - b1) g; y -= lr clamp((m / bc) / D, +-c).
 
         c = 1 / sqrt(1 - beta2) is the furthest AdamS moves a coordinate in one step (its first
-        step). It binds only where this rank's momentum is far above the shared scale -- a
-        coordinate whose D is still tiny (an embedding row that had no gradient when D was last
-        set) -- and keeps such a local step from throwing the copy off.
+        step). It binds where this rank's momentum is far above the shared scale: a coordinate
+        whose D is still tiny, and -- at long exchange intervals, where q's average over the
+        interval shrinks D under noise -- most coordinates late in training (the study: 43% at
+        step 300 at 99% sparsity), whose local steps are then sign steps. Logged as
+        ``scape/clamped_fraction``.
         """
         if weight_decay != 0.0 and decay_end > 0:
             param[:decay_end].mul_(1.0 - lr * weight_decay)
