@@ -153,12 +153,13 @@ class _SharedNormalizer:
     (the raw average, the lr sum, the last exchange's step) and no bytes after step 1.
     """
 
-    def __init__(self, like: torch.Tensor, beta: float, eps: float, max_covered: Optional[float] = None) -> None:
+    def __init__(self, like: torch.Tensor, beta: float, eps: float, max_covered: Optional[float] = None,
+                 bound: float = 0.0) -> None:
         self.beta, self.eps = beta, eps
         # normalizer=revealed: one revealed momentum is one sample, worth at most the momentum's
         # correlation time 1 / (1 - b1) of steps however long the interval was
         self.max_covered = max_covered
-        self.bound = 1.0 / math.sqrt(1.0 - beta)
+        self.bound = bound or 1.0 / math.sqrt(1.0 - beta)
         self.second = torch.zeros_like(like)  # the average of q^2, not bias-corrected
         self.lr_sum = torch.zeros_like(like)  # learning rates summed since the last exchange
         self.last = torch.zeros(like.numel(), dtype=torch.int32, device=like.device)
@@ -267,7 +268,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self.revealed = cfg.normalizer == "revealed"
         self.normalizer = _SharedNormalizer(
             self.consensus, float(cfg.betas[1]), float(cfg.eps),
-            1.0 / (1.0 - float(cfg.betas[0])) if self.revealed else None,
+            1.0 / (1.0 - float(cfg.betas[0])) if self.revealed else None, float(cfg.step_bound),
         ) if cfg.normalizer in ("shared", "revealed") or momentum_exchange else None
         # exchange=momentum: A_i, this rank's lr-weighted sum of its bias-corrected momentum
         # since each coordinate's last exchange (what the ranks average instead of the drift)

@@ -47,6 +47,9 @@ class OptimizerConfig(DenseOptimizerConfig):
     # step is linear and the average of the local steps is the step on the mean momentum;
     # revealed: the same, D from the mean momentum itself, sent beside the drifts (twice the values)
     normalizer: str = "local"
+    # shared / revealed: the bound on a local step's |(m / bc) / D|; 0 = 1 / sqrt(1 - b2), AdamS's
+    # largest step (a small bound makes the local steps sign steps of size lr * bound)
+    step_bound: float = 0.0
     # what the all-reduce averages: the drift y_i - x (the copies' mean becomes the consensus), or
     # momentum: each rank's lr-weighted sum of its momentum since the coordinate's last exchange,
     # on which the consensus takes its own step over one shared denominator (the copies only

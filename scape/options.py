@@ -45,7 +45,7 @@ def as_dataclass(cfg) -> OptimizerConfig:
 
 
 # keys that only optimizer=sparse_avg reads (scape/averaging.py has the list the other way round)
-SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule", "normalizer", "exchange")
+SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule", "normalizer", "exchange", "step_bound")
 MASK_RULES = ("drift", "deviation", "random", "cyclic")
 NORMALIZERS = ("local", "shared", "revealed")
 EXCHANGES = ("drift", "momentum")
@@ -98,6 +98,12 @@ def validate_config(cfg: OptimizerConfig) -> None:
     _choice("mask_rule", cfg.mask_rule, MASK_RULES)
     _choice("normalizer", cfg.normalizer, NORMALIZERS)
     _choice("exchange", cfg.exchange, EXCHANGES)
+    if not (isinstance(cfg.step_bound, (int, float)) and math.isfinite(cfg.step_bound) and cfg.step_bound >= 0):
+        raise ValueError(f"optimizer.step_bound={cfg.step_bound!r} must be a number >= 0 "
+                         f"(0 = 1 / sqrt(1 - b2), AdamS's largest step)")
+    if cfg.step_bound and cfg.normalizer == "local":
+        raise ValueError(f"optimizer.step_bound={cfg.step_bound} bounds the steps over a shared denominator; "
+                         f"it needs optimizer.normalizer=shared or revealed")
     if cfg.exchange == "momentum" and (cfg.normalizer != "local" or cfg.outer_lr != 1 or cfg.outer_momentum != 0
                                        or cfg.mask_rule == "deviation"):
         raise ValueError("optimizer.exchange=momentum steps the consensus on the averaged momentum over its own "

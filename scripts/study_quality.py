@@ -122,6 +122,7 @@ _PARTS = {
     "shnorm": (("optimizer.normalizer=shared",), "one shared denominator"),  # sparse_avg only
     "lnorm": (("optimizer.normalizer=local",), "each rank's own denominator"),  # sparse_avg's rule before
     "rvnorm": (("optimizer.normalizer=revealed",), "one shared denominator from the sent momenta"),  # sparse_avg only
+    "bound": (("optimizer.step_bound={n}",), "local steps bounded at {n}"),  # sparse_avg, shared D only
     "exmom": (("optimizer.exchange=momentum",), "consensus steps on the averaged momentum sums"),  # sparse_avg only
     "sp": (("optimizer.sparsity={n}",), "sparsity {n}"),
     "bfloat": (("optimizer.value_dtype=bf16",), "bf16 values"),

@@ -116,7 +116,8 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
             y[:decay_end] *= 1 - lr * wd
             if shared:
                 m.mul_(b1).add_((1 - b1) * g)
-                y -= lr * ((m / c) / denom).clamp(-(1 - b2) ** -0.5, (1 - b2) ** -0.5)
+                bound = cfg.step_bound or (1 - b2) ** -0.5
+                y -= lr * ((m / c) / denom).clamp(-bound, bound)
                 continue
             local_denom = (b2 * (m / c) ** 2 + (1 - b2) * g ** 2).sqrt() + eps
             m.mul_(b1).add_((1 - b1) * g)
@@ -159,6 +160,7 @@ REFERENCE_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.8, dense_warmup_steps=3
                      dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", sparsity_warmup_steps=4),
                      dict(sparsity=0.9, normalizer="shared", dense_warmup_steps=2),
                      dict(sparsity=0.8, mask_rule="cyclic", normalizer="revealed", sparsity_warmup_steps=4),
+                     dict(sparsity=0.9, mask_rule="cyclic", normalizer="shared", step_bound=0.5),
                      dict(sparsity=0.8, mask_rule="cyclic", exchange="momentum", sparsity_warmup_steps=4),
                      dict(sparsity=0.9, exchange="momentum", dense_warmup_steps=3)]
 
@@ -494,6 +496,10 @@ def test_settings_are_checked_and_the_builders_dispatch():
         SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared", outer_lr=0.7))
     with pytest.raises(ValueError, match="normalizer='shared' is a sparse_avg option"):
         scape.build_synchronizer(make_model(), avg_config(name="scape", normalizer="shared"))
+    with pytest.raises(ValueError, match="step_bound=0.5 bounds the steps over a shared denominator"):
+        SparseAverageSynchronizer(make_model(), avg_config(step_bound=0.5))
+    with pytest.raises(ValueError, match="step_bound=-1 must be a number >= 0"):
+        SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared", step_bound=-1))
     with pytest.raises(ValueError, match="optimizer.exchange='gradient'"):
         SparseAverageSynchronizer(make_model(), avg_config(exchange="gradient"))
     with pytest.raises(ValueError, match="exchange=momentum .* needs optimizer.normalizer=local"):
