@@ -136,7 +136,7 @@ class _SharedNormalizer:
     With each rank's own AdamS denominator the average of the local steps is not an AdamS step
     on the mean gradient: a rank sees a quarter of the batch (on 4 ranks), so its denominator
     holds four times the gradient noise and noise-dominated coordinates move about half as far
-    as under dense AdamS (the study's +0.125 at density 1). With one D on every rank a local step
+    as under dense AdamS (docs/RESULTS.md, the density-1 decomposition). With one D on every rank a local step
     y_i -= lr (m_i / bc) / D is linear in m_i, so the mean of the copies moves by
     lr (mean_i m_i / bc) / D: the momentum of the mean gradient, whatever the density.
 
@@ -195,11 +195,15 @@ class _SharedNormalizer:
             self.lr_sum.index_fill_(0, mask, 0.0)
             self.last.index_fill_(0, mask, step)
 
+    def reveal(self, q: torch.Tensor, mask: Optional[torch.Tensor], step: int) -> None:
+        """normalizer=revealed: the mean momentum itself, sent beside the drift, folded into D."""
+        self.commit(*self.fold(q, mask, step), mask, step)
+
     def exchange(self, mean_drift: torch.Tensor, mask: Optional[torch.Tensor], step: int) -> None:
         """normalizer=shared: q = -mean drift D / lr sum, folded into D (before the copies snap to x)."""
         lr_sum = _take(self.lr_sum, mask)
         q = -mean_drift * _take(self.denominator, mask) / lr_sum.clamp(min=torch.finfo(lr_sum.dtype).tiny)
-        self.commit(*self.fold(q, mask, step), mask, step)
+        self.reveal(q, mask, step)
 
     def local_step(self, param: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor, lr: float,
                    beta1: float, bias_correction: float, weight_decay: float, decay_end: int) -> None:
@@ -208,8 +212,8 @@ class _SharedNormalizer:
         c = 1 / sqrt(1 - beta2) is the furthest AdamS moves a coordinate in one step (its first
         step). It binds where this rank's momentum is far above the shared scale: a coordinate
         whose D is still tiny, and -- at long exchange intervals, where q's average over the
-        interval shrinks D under noise -- most coordinates late in training (the study: 43% at
-        step 300 at 99% sparsity), whose local steps are then sign steps. Logged as
+        interval shrinks D under noise -- most coordinates late in training at 99% sparsity
+        (docs/RESULTS.md), whose local steps are then sign steps. Logged as
         ``scape/clamped_fraction``.
         """
         if weight_decay != 0.0 and decay_end > 0:
@@ -322,7 +326,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self._record_rate(mean, mask, step)
         if self.revealed:  # q: the mean momentum now (after step t - 1), bias-corrected
             q = payload[count:2 * count].float().div_(self.world * (1.0 - self.optimizer.beta1 ** (step - 1)))
-            self.normalizer.commit(*self.normalizer.fold(q, mask, step), mask, step)
+            self.normalizer.reveal(q, mask, step)
         elif self.normalizer is not None:
             self.normalizer.exchange(mean, mask, step)
         if mask is None:
