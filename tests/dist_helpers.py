@@ -36,6 +36,10 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: Tuple[Any, ...
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=world)
         fn(rank, world, *args)
+        # every rank is past its last collective before any tears its sockets down: a rank that
+        # exits while another still receives the tail of a gloo collective aborts that one
+        # ("terminate called without an active exception", a SIGABRT seen under load)
+        dist.barrier()
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
         errors.put((rank, traceback.format_exc()))
         raise
