@@ -93,17 +93,19 @@ def validate_sparse_avg(cfg: OptimizerConfig) -> None:
 
 def sparse_avg_step_bytes(numel: int, world: int, sparsity: float, mask_transport: str = "auto",
                           value_dtype: str = "fp32", mask_rule: str = "drift",
-                          normalizer: str = "local") -> Dict[str, float]:
+                          normalizer: str = "local", average_momentum: bool = False) -> Dict[str, float]:
     """Bytes per rank of a sparse step: SCAPE's formula plus the one norm value in the payload
     (and no mask with ``mask_rule=cyclic``, which every rank computes alike); with
-    ``normalizer=revealed`` the momenta travel beside the drifts (twice the values)."""
+    ``normalizer=revealed`` or ``average_momentum`` the momenta travel beside the drifts (twice
+    the values); ``normalizer=oracle`` adds a dense fp32 all-reduce of the momenta (``oracle``)."""
     out = dict(scape_step_bytes(numel, world, sparsity, mask_transport, value_dtype))
-    if normalizer == "revealed":
+    if normalizer == "revealed" or average_momentum:
         out["values"] *= 2
     out["values"] += all_reduce_bytes(VALUE_BYTES[value_dtype], world)
     if mask_rule == "cyclic":
         out["mask"], out["transport"] = 0, "none"
-    out["total"] = out["values"] + out["mask"]
+    out["oracle"] = all_reduce_bytes(4 * numel, world) if normalizer == "oracle" else 0
+    out["total"] = out["values"] + out["mask"] + out["oracle"]
     return out
 
 
@@ -270,10 +272,12 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self.value_dtype = torch.bfloat16 if cfg.value_dtype == "bf16" else torch.float32
         momentum_exchange = cfg.exchange == "momentum"
         self.revealed = cfg.normalizer == "revealed"
+        self.oracle = cfg.normalizer == "oracle"
+        self.average_momentum = bool(cfg.average_momentum)
         self.normalizer = _SharedNormalizer(
             self.consensus, float(cfg.betas[1]), float(cfg.eps),
             1.0 / (1.0 - float(cfg.betas[0])) if self.revealed else None, float(cfg.step_bound),
-        ) if cfg.normalizer in ("shared", "revealed") or momentum_exchange else None
+        ) if cfg.normalizer in ("shared", "revealed", "oracle") or momentum_exchange else None
         # exchange=momentum: A_i, this rank's lr-weighted sum of its bias-corrected momentum
         # since each coordinate's last exchange (what the ranks average instead of the drift)
         self.accumulated = torch.zeros_like(self.consensus) if momentum_exchange else None
@@ -300,7 +304,8 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         else:
             mask = self.masks.mask_for(step)
             count = mask.numel()
-        revealed = count if self.revealed else 0  # normalizer=revealed: the momenta, after the drifts
+        # normalizer=revealed / average_momentum: the momenta, after the drifts
+        revealed = count if self.revealed or self.average_momentum else 0
         payload = torch.empty(count + revealed + 1, dtype=self.value_dtype, device=self.device)
         kept = None  # bf16 payload: the rounding error of what was sent, kept in y_i
         if count:
@@ -317,6 +322,14 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self.comm.all_reduce(payload, kind="scape_values")
         self._global_sq = payload[-1].float()
         self._sent = count
+        bias_correction = 1.0 - self.optimizer.beta1 ** (step - 1)
+        if self.oracle and step > 1:  # every coordinate's mean momentum (after step t - 1) into D
+            numel = self.layout.numel
+            summed = self.optimizer.momentum[:numel].clone()
+            self.comm.all_reduce(summed, kind="oracle")
+            q = torch.zeros_like(self.optimizer.momentum)
+            q[:numel] = summed.div_(self.world * bias_correction)
+            self.normalizer.reveal(q, None, step)
         if not count:
             return
         if self.accumulated is not None:
@@ -324,11 +337,16 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             return
         mean = self._outer_step(payload[:count].float().div_(self.world), mask)
         self._record_rate(mean, mask, step)
+        mean_momentum = payload[count:2 * count].float().div_(self.world) if revealed else None
         if self.revealed:  # q: the mean momentum now (after step t - 1), bias-corrected
-            q = payload[count:2 * count].float().div_(self.world * (1.0 - self.optimizer.beta1 ** (step - 1)))
-            self.normalizer.reveal(q, mask, step)
-        elif self.normalizer is not None:
+            self.normalizer.reveal(mean_momentum / bias_correction, mask, step)
+        elif self.normalizer is not None and not self.oracle:
             self.normalizer.exchange(mean, mask, step)
+        if self.average_momentum:  # every rank's momentum becomes the mean there (as y_i becomes x)
+            if mask is None:
+                self.optimizer.momentum.copy_(mean_momentum)
+            else:
+                kernels.scatter(self.optimizer.momentum, mask, mean_momentum)
         if mask is None:
             x.add_(mean)
             if kept is None:

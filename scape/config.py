@@ -45,8 +45,13 @@ class OptimizerConfig(DenseOptimizerConfig):
     # the denominator of the local AdamS steps: each rank's own (local) or one replicated
     # denominator (shared) built from the momentum the averaged drifts reveal, so every local
     # step is linear and the average of the local steps is the step on the mean momentum;
-    # revealed: the same, D from the mean momentum itself, sent beside the drifts (twice the values)
+    # revealed: the same, D from the mean momentum itself, sent beside the drifts (twice the values);
+    # oracle: D from every coordinate's mean momentum at every step, one extra dense all-reduce a
+    # step -- a decomposition tool (what the sparse estimate of D costs), not an efficient setting
     normalizer: str = "local"
+    # the momenta travel beside the drifts (twice the values; with normalizer=revealed they are
+    # already there) and every rank's momentum snaps to their mean where the copies snap to x
+    average_momentum: bool = False
     # shared / revealed: the bound on a local step's |(m / bc) / D|; 0 = 1 / sqrt(1 - b2), AdamS's
     # largest step (a small bound makes the local steps sign steps of size lr * bound)
     step_bound: float = 0.0

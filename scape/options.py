@@ -45,9 +45,10 @@ def as_dataclass(cfg) -> OptimizerConfig:
 
 
 # keys that only optimizer=sparse_avg reads (scape/averaging.py has the list the other way round)
-SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule", "normalizer", "exchange", "step_bound")
+SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule", "normalizer", "exchange", "step_bound",
+                        "average_momentum")
 MASK_RULES = ("drift", "deviation", "random", "cyclic")
-NORMALIZERS = ("local", "shared", "revealed")
+NORMALIZERS = ("local", "shared", "revealed", "oracle")
 EXCHANGES = ("drift", "momentum")
 
 
@@ -101,9 +102,13 @@ def validate_config(cfg: OptimizerConfig) -> None:
     if not (isinstance(cfg.step_bound, (int, float)) and math.isfinite(cfg.step_bound) and cfg.step_bound >= 0):
         raise ValueError(f"optimizer.step_bound={cfg.step_bound!r} must be a number >= 0 "
                          f"(0 = 1 / sqrt(1 - b2), AdamS's largest step)")
+    _choice("average_momentum", cfg.average_momentum, (True, False))
+    if cfg.average_momentum and cfg.exchange == "momentum":
+        raise ValueError("optimizer.average_momentum=true snaps the momenta where the drifts are averaged; "
+                         "optimizer.exchange=momentum averages momentum sums instead: use exchange=drift")
     if cfg.step_bound and cfg.normalizer == "local":
         raise ValueError(f"optimizer.step_bound={cfg.step_bound} bounds the steps over a shared denominator; "
-                         f"it needs optimizer.normalizer=shared or revealed")
+                         f"it needs optimizer.normalizer=shared, revealed or oracle")
     if cfg.exchange == "momentum" and (cfg.normalizer != "local" or cfg.outer_lr != 1 or cfg.outer_momentum != 0
                                        or cfg.mask_rule == "deviation"):
         raise ValueError("optimizer.exchange=momentum steps the consensus on the averaged momentum over its own "

@@ -123,6 +123,9 @@ _PARTS = {
     "lnorm": (("optimizer.normalizer=local",), "each rank's own denominator"),  # sparse_avg's rule before
     "rvnorm": (("optimizer.normalizer=revealed",), "one shared denominator from the sent momenta"),  # sparse_avg only
     "bound": (("optimizer.step_bound={n}",), "local steps bounded at {n}"),  # sparse_avg, shared D only
+    # sparse_avg, a decomposition tool: D from every coordinate's mean momentum every step (dense bytes)
+    "ornorm": (("optimizer.normalizer=oracle",), "oracle denominator (dense momentum all-reduce)"),
+    "avgm": (("optimizer.average_momentum=true",), "momenta averaged with the drifts"),  # sparse_avg only
     "exmom": (("optimizer.exchange=momentum",), "consensus steps on the averaged momentum sums"),  # sparse_avg only
     "sp": (("optimizer.sparsity={n}",), "sparsity {n}"),
     "bfloat": (("optimizer.value_dtype=bf16",), "bf16 values"),
@@ -136,7 +139,8 @@ def compose_arm(name: str) -> Optional[Arm]:
     that sparsity), sma90 / sma99 (sparse model averaging) or adams / adamw; parts: post, capN /
     lrsumN (catch-up capped at N; 0 = 1 / density), warmN, clip, noclip, lrX, and for sparse
     averaging omX / olrX (outer Nesterov momentum / outer lr), dev / rand / cyc / topk (mask rule), shnorm / rvnorm / lnorm (one shared
-    denominator from the drift / from momenta sent beside it / each rank's own), exmom (the consensus steps on the averaged momentum sums); spX sets the sparsity, bfloat the
+    denominator from the drift / from momenta sent beside it / each rank's own), ornorm (D from every
+    coordinate's mean momentum each step: a decomposition tool), avgm (momenta averaged with the drifts), exmom (the consensus steps on the averaged momentum sums); spX sets the sparsity, bfloat the
     value dtype. None if the name is
     not of that form."""
     base, *parts = name.split("+")

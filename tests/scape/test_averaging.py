@@ -61,8 +61,9 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
     order, position = torch.randperm(size, generator=torch.Generator().manual_seed(0)), 0  # cyclic
     ys = [x.clone() for _ in range(world)]
     ms = [torch.zeros_like(x) for _ in range(world)]
-    shared = cfg.normalizer in ("shared", "revealed")  # one denominator D from the mean momentum
+    shared = cfg.normalizer in ("shared", "revealed", "oracle")  # one denominator D from the mean momentum
     revealed = cfg.normalizer == "revealed"  # ... sent beside the drift, one sample per exchange
+    oracle = cfg.normalizer == "oracle"  # ... of every coordinate, every step
     summed = cfg.exchange == "momentum"  # the consensus steps on the mean momentum sum over D
     sums = [torch.zeros_like(x) for _ in range(world)]
     second, lr_sum, last_sent, denom = torch.zeros_like(x), torch.zeros_like(x), torch.zeros_like(x), None
@@ -75,6 +76,11 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
             for micro in range(accum):
                 (model(*batch(r, t, micro)) / accum).backward()
             grads.append(flat.grad.clone())
+        if oracle and t > 1:  # every coordinate's mean momentum after step t - 1 is folded into D
+            q = sum(ms) / world / (1 - b1 ** (t - 1))
+            second = b2 * second + (1 - b2) * q ** 2
+            denom = (second / (1 - b2 ** t)).sqrt() + eps
+            lr_sum[:], last_sent[:] = 0, t
         if t > 1:  # the exchange: average the drifts on the mask (everything while t <= W)
             sel = torch.arange(x.numel()) if t <= dense_until else mask
             if summed:
@@ -92,7 +98,7 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
             x[sel] += eta * (delta + mu * u[sel])
             rate[sel] = eta * (delta + mu * u[sel]) / (t - last[sel])
             last[sel] = t
-            if shared:
+            if shared and not oracle:
                 q = -delta * denom[sel] / lr_sum[sel]
                 w = b2 ** (t - last_sent[sel])
                 if revealed:
@@ -103,6 +109,10 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
                 lr_sum[sel], last_sent[sel] = 0, t
             for y in ys:
                 y[sel] = x[sel]
+            if cfg.average_momentum:  # the momenta snap to their mean where the copies snap to x
+                mean_m = sum(m[sel] for m in ms) / world
+                for m in ms:
+                    m[sel] = mean_m
         c = 1 - b1 ** t
         for g in grads:  # every rank clips by its own norm
             if max_norm > 0:
@@ -162,7 +172,10 @@ REFERENCE_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.8, dense_warmup_steps=3
                      dict(sparsity=0.8, mask_rule="cyclic", normalizer="revealed", sparsity_warmup_steps=4),
                      dict(sparsity=0.9, mask_rule="cyclic", normalizer="shared", step_bound=0.5),
                      dict(sparsity=0.8, mask_rule="cyclic", exchange="momentum", sparsity_warmup_steps=4),
-                     dict(sparsity=0.9, exchange="momentum", dense_warmup_steps=3)]
+                     dict(sparsity=0.9, exchange="momentum", dense_warmup_steps=3),
+                     dict(sparsity=0.8, mask_rule="cyclic", normalizer="oracle", sparsity_warmup_steps=4),
+                     dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", average_momentum=True),
+                     dict(sparsity=0.9, normalizer="revealed", average_momentum=True, dense_warmup_steps=2)]
 
 
 def _equals_reference(rank: int, world: int) -> None:
@@ -385,7 +398,9 @@ def _bytes(rank: int, world: int) -> None:
     for overrides in (dict(sparsity=0.99, mask_transport="indices"), dict(sparsity=0.9, mask_transport="bitmap"),
                       dict(sparsity=0.99, value_dtype="bf16"), dict(sparsity=0.9, mask_rule="cyclic"),
                       dict(sparsity=0.9, mask_rule="cyclic", normalizer="shared"),
-                      dict(sparsity=0.9, mask_rule="cyclic", normalizer="revealed", value_dtype="bf16")):
+                      dict(sparsity=0.9, mask_rule="cyclic", normalizer="revealed", value_dtype="bf16"),
+                      dict(sparsity=0.9, mask_rule="cyclic", normalizer="shared", average_momentum=True),
+                      dict(sparsity=0.9, mask_rule="cyclic", normalizer="oracle", value_dtype="bf16")):
         cfg = avg_config(**overrides)
         model = make_model()
         sync = SparseAverageSynchronizer(model, cfg)
@@ -393,7 +408,7 @@ def _bytes(rank: int, world: int) -> None:
         train(model, sync, 4, rank, before_reduce=lambda step: sync.comm.counter.reset(),
               after=lambda step: counted.__setitem__(step, dict(sync.comm.counter.bytes)))
         formula = sparse_avg_step_bytes(sync.layout.numel, world, cfg.sparsity, cfg.mask_transport,
-                                        cfg.value_dtype, cfg.mask_rule, cfg.normalizer)
+                                        cfg.value_dtype, cfg.mask_rule, cfg.normalizer, cfg.average_momentum)
         s = 2 if cfg.value_dtype == "bf16" else 4
         cyclic = cfg.mask_rule == "cyclic"  # no mask crosses the network
         assert counted[1]["scape_values"] == all_reduce_bytes(s, world)  # step 1: the norm only
@@ -403,8 +418,12 @@ def _bytes(rank: int, world: int) -> None:
         assert counted[1].get("scape_mask", 0) == formula["mask"] and (formula["mask"] == 0) == cyclic
         for step in (2, 3, 4):
             expected = {"scape_values": formula["values"], **({} if cyclic else {"scape_mask": formula["mask"]})}
-            assert counted[step] == expected
-        per_coordinate = 2 if cfg.normalizer == "revealed" else 1  # the momenta beside the drifts
+            if cfg.normalizer == "oracle":  # a dense fp32 all-reduce of the momenta, every step after the first
+                expected["oracle"] = formula["oracle"] = all_reduce_bytes(4 * sync.layout.numel, world)
+            assert counted[step] == expected and formula["total"] == sum(expected.values())
+        assert counted[1].get("oracle", 0) == 0
+        # the momenta beside the drifts
+        per_coordinate = 2 if cfg.normalizer == "revealed" or cfg.average_momentum else 1
         assert formula["values"] == all_reduce_bytes((per_coordinate * world * formula["k"] + 1) * s, world)
         metrics = sync.metrics()
         assert metrics["scape/density"] == world * formula["k"] / sync.layout.padded_numel
@@ -504,6 +523,10 @@ def test_settings_are_checked_and_the_builders_dispatch():
         SparseAverageSynchronizer(make_model(), avg_config(exchange="gradient"))
     with pytest.raises(ValueError, match="exchange=momentum .* needs optimizer.normalizer=local"):
         SparseAverageSynchronizer(make_model(), avg_config(exchange="momentum", normalizer="shared"))
+    with pytest.raises(ValueError, match="average_momentum=true snaps the momenta .* use exchange=drift"):
+        SparseAverageSynchronizer(make_model(), avg_config(exchange="momentum", average_momentum=True))
+    with pytest.raises(ValueError, match="optimizer.average_momentum='yes'"):
+        SparseAverageSynchronizer(make_model(), avg_config(average_momentum="yes"))
     summed = SparseAverageSynchronizer(make_model(), avg_config(exchange="momentum"))
     train(summed.model, summed, 2, 0)
     with pytest.raises(ValueError, match="written with optimizer.exchange=momentum"):
