@@ -364,7 +364,9 @@ RESUME_CONFIGS = [(dict(sparsity=0.9), 4),
                   (dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", value_dtype="bf16"), 3),
                   (dict(sparsity=0.8, mask_rule="cyclic", exchange="momentum", value_dtype="bf16"), 3),
                   (dict(sparsity=0.9, mask_rule="cyclic", normalizer="revealed", value_dtype="bf16"), 3),
-                  (dict(sparsity=0.9, exchange="momentum"), 4)]
+                  (dict(sparsity=0.9, exchange="momentum"), 4),
+                  (dict(sparsity=0.9, mask_rule="cyclic", normalizer="shared", average_momentum=True, value_dtype="bf16"), 3),
+                  (dict(sparsity=0.9, mask_rule="cyclic", normalizer="oracle"), 3)]
 
 
 def _resume(rank: int, world: int) -> None:
