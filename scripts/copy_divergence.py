@@ -1,0 +1,102 @@
+"""How far apart the ranks' copies of a sparse_avg checkpoint are, and what each validates at.
+
+    python scripts/copy_divergence.py RUN/step-N [--per-tensor]
+
+Sparse model averaging (``optimizer=sparse_avg``) keeps one model per rank; the checkpoint holds
+their average (``model.safetensors``) and each rank's copy (``rank-R.pt``). This reads every copy,
+validates each one and their average on the run's own validation windows (the same windows the
+trainer validated on, so the average reproduces the run's validation loss), and prints one JSON
+object: the losses, the RMS of the average's weights and the RMS distance of the copies from their
+average, overall and (``--per-tensor``) per parameter. A diagnostic for docs/RESULTS.md's
+divergence numbers; it runs on CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+
+def load_copies(checkpoint: Path) -> List[torch.Tensor]:
+    """Every rank's flat copy y_i, in rank order (the flat layout: matrices first)."""
+    files = sorted(checkpoint.glob("rank-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
+    if not files:
+        raise SystemExit(f"error: {checkpoint} has no rank-R.pt files: it is not a checkpoint of a run")
+    copies = []
+    for path in files:
+        state = torch.load(path, map_location="cpu", weights_only=False).get("sync", {})
+        if "params" not in state:
+            raise SystemExit(f"error: {path} holds no sparse_avg copy (was the run optimizer=sparse_avg?)")
+        copies.append(state["params"].float())
+    return copies
+
+
+def divergence(checkpoint: Path, per_tensor: bool = False) -> Dict:
+    from omegaconf import OmegaConf
+
+    from data.loader import TokenLoader
+    from data.preparation import prepared_dir_for
+    from models import build_model
+
+    run = checkpoint.resolve().parent
+    cfg = OmegaConf.load(run / "config.yaml")
+    model = build_model(cfg.model)
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    ordered = [(n, p) for n, p in params if p.ndim >= 2] + [(n, p) for n, p in params if p.ndim < 2]
+    numel = sum(p.numel() for _, p in ordered)
+    copies = torch.stack([c[:numel] for c in load_copies(checkpoint)])
+    average = copies.mean(0)
+    world = copies.shape[0]
+    val = TokenLoader(prepared_dir_for(cfg.data, cfg.tokenizer), "val", cfg.model.seq_len, cfg.train.micro_batch_size, 0, 1,
+                      int(cfg.seed))
+    # the trainer's windows: eval_batches per rank on `world` ranks = eval_batches * world here
+    batches = val.eval_batches(int(cfg.train.eval_batches) * world)
+
+    @torch.no_grad()
+    def validate(flat: torch.Tensor) -> float:
+        offset = 0
+        for _, p in ordered:
+            p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        model.eval()
+        return sum(float(model(x, y).double()) for x, y in batches) / len(batches)
+
+    out = {"checkpoint": str(checkpoint), "ranks": world,
+           "average_val_loss": validate(average),
+           "copy_val_losses": [validate(copy) for copy in copies],
+           "weights_rms": float(average.square().mean().sqrt()),
+           "copy_distance_rms": float((copies - average).square().mean().sqrt())}
+    if per_tensor:
+        rows, offset = {}, 0
+        for name, p in ordered:
+            k = p.numel()
+            mean, spread = average[offset:offset + k], copies[:, offset:offset + k] - average[offset:offset + k]
+            rows[name] = {"numel": k, "weights_rms": float(mean.square().mean().sqrt()),
+                          "copy_distance_rms": float(spread.square().mean().sqrt())}
+            offset += k
+        out["per_tensor"] = rows
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path, help="RUN/step-N of an optimizer=sparse_avg run")
+    parser.add_argument("--per-tensor", action="store_true", help="also per parameter")
+    args = parser.parse_args(argv)
+    if not (args.checkpoint / "model.safetensors").is_file():
+        print(f"error: {args.checkpoint} is not a checkpoint folder (no model.safetensors)", file=sys.stderr)
+        return 2
+    print(json.dumps(divergence(args.checkpoint, args.per_tensor), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
