@@ -17,6 +17,10 @@ One step t, in the loop's order
                       d_i[M_t] (k values per partition, in flat order) plus one float, this rank's
                       squared local gradient norm; ONE all-reduce (kind scape_values);
                       x[M_t] += mean_i d_i[M_t];  y_i[M_t] = x[M_t]  (d_i = 0 there).
+                      average_momentum: the payload also holds m_i[M_t] and every rank's
+                      momentum becomes their mean there; normalizer=oracle: one more, dense
+                      all-reduce of the momenta (kind oracle) feeds D everywhere (a decomposition
+                      tool).
     clip_gradients    every worker is its own optimizer: this rank's gradient is clipped by its
                       own norm. The returned norm is sqrt(mean_i ||g_i||^2), the root mean square
                       of the local norms, from the all-reduced squared norms: every rank gets the
