@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO))
 from core.checkpoint import MODEL_FILE, rank_file  # noqa: E402
 from core.distributed import DistEnv  # noqa: E402
 from trainer.checkpoint import OPTIMIZER_FILE, replicated_writer, save_checkpoint  # noqa: E402
+from scripts.bench_io import emit_report, free_port  # noqa: E402
 
 
 def _files_of(rank: int, world: int) -> List[str]:
@@ -94,14 +95,6 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: List[str] | None = None) -> Dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny_llama")
@@ -117,12 +110,12 @@ def main(argv: List[str] | None = None) -> Dict[str, Any]:
         results = []
         for world in args.worlds:
             out = Path(tmp) / f"result{world}.json"
-            mp.start_processes(_worker, args=(world, _free_port(), args, str(out)), nprocs=world, join=True,
+            mp.start_processes(_worker, args=(world, free_port(), args, str(out)), nprocs=world, join=True,
                                start_method="spawn")
             results.append(json.loads(out.read_text()))
     report = {"model": args.model, "optimizer": args.optimizer, "repeats": args.repeats,
               "load_average": os.getloadavg(), "cpus": os.cpu_count(), "results": results}
-    print(json.dumps(report, indent=2))
+    emit_report(report, indent=2)
     return report
 
 

@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import sys
 import time
 from dataclasses import replace
@@ -30,6 +29,7 @@ from models import build_model, count_parameters, load_model_config  # noqa: E40
 from scape.accounting import dense_step_bytes, scape_step_bytes  # noqa: E402
 from scape.config import OptimizerConfig  # noqa: E402
 from trainer.step import train_step  # noqa: E402
+from scripts.bench_io import emit_report, free_port  # noqa: E402
 
 TRANSPORTS = ("bitmap", "indices", "auto")
 ARMS: List[Dict] = (
@@ -92,9 +92,7 @@ def _counted_worker(rank: int, world: int, port: int, steps: int, out_path: str)
 def counted_run(steps: int) -> Dict:
     import tempfile
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "counted.json")
         mp.start_processes(_counted_worker, args=(2, port, steps, out_path), nprocs=2,
@@ -141,11 +139,7 @@ def main() -> None:
               "unit": "bytes sent per rank per step (ring all-reduce 2(N-1)/N S, all-gather (N-1) S)",
               "counted": counted_run(args.steps), "formula": formula()}
     report["wall_s"] = time.time() - t0
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit_report(report, args.out)
 
 
 if __name__ == "__main__":

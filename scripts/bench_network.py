@@ -443,11 +443,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   "tokens_per_rank_per_step": args.seq_len, "ranks": 2, "delay_ms": args.delay_ms},
         "rates": results,
     }
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    sys.path.insert(0, str(REPO))
+    from scripts.bench_io import emit_report
+
+    emit_report(report, args.out)
     return 0
 
 

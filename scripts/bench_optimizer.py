@@ -13,7 +13,6 @@ above the k-th value and how many scores tie at it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -29,6 +28,7 @@ from core.optim import AdamS  # noqa: E402
 from scape.config import OptimizerConfig  # noqa: E402
 from scape.synchronizer import ScapeSynchronizer  # noqa: E402
 from scape.topk import TOPK_METHODS, topk_mask  # noqa: E402
+from scripts.bench_io import emit_report  # noqa: E402
 
 
 class FlatMatrix(torch.nn.Module):
@@ -163,11 +163,7 @@ def main() -> None:
         for stat in ("min", "median"):
             summary[f"speedup_threshold_vs_exact_{stat}"] = summary[stat]["exact"] / summary[stat]["threshold"]
         report["seconds"][name] = summary
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import sys
 import tempfile
 import time
@@ -37,6 +36,7 @@ from scape.config import OptimizerConfig  # noqa: E402
 from scape.sharded import ShardedScapeSynchronizer  # noqa: E402
 from scape.synchronizer import ScapeSynchronizer  # noqa: E402
 from trainer.step import train_step  # noqa: E402
+from scripts.bench_io import emit_report, free_port  # noqa: E402
 
 ARMS = ("adamw", "adamw_sharded", "adams", "adams_sharded", "scape99", "scape99_sharded")
 
@@ -96,17 +96,11 @@ def _worker(rank: int, world: int, port: int, model_name: str, device_kind: str,
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(model_name: str, worlds: List[int], device_kind: str) -> List[Dict]:
     rows: List[Dict] = []
     for world in worlds:
         with tempfile.TemporaryDirectory() as out_dir:
-            mp.start_processes(_worker, args=(world, _free_port(), model_name, device_kind, out_dir),
+            mp.start_processes(_worker, args=(world, free_port(), model_name, device_kind, out_dir),
                                nprocs=world, join=True, start_method="spawn")
             for rank in range(world):
                 with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
@@ -134,11 +128,7 @@ def main() -> None:
                                                     if r["arm"] == arm and r["world"] == world)
                                for arm in ARMS for world in args.worlds},
               "rows": rows}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit_report(result, args.out)
 
 
 if __name__ == "__main__":

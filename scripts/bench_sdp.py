@@ -26,7 +26,6 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import socket
 import sys
 import time
 import traceback
@@ -50,6 +49,7 @@ from sdp.layout import meta_full_model  # noqa: E402
 from core.sync import DenseAllReduce  # noqa: E402
 from core.optim import build_optimizer  # noqa: E402
 from trainer.step import train_step  # noqa: E402
+from scripts.bench_io import emit_report, free_port  # noqa: E402
 
 SMALL_LLAMA = dict(name="bench_llama", family="llama", n_layer=8, n_head=4, n_kv_head=4, d_model=128,
                    ffn_hidden=384, vocab_size=1024, seq_len=128)
@@ -83,12 +83,6 @@ class LiveTensorBytes(TorchDispatchMode):
                     self.peak = max(self.peak, self.current)
                     weakref.finalize(storage, self._free, key)
         return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _status_kib(field: str) -> int:
@@ -182,7 +176,7 @@ def _measure(rank: int, world: int, case: Dict[str, Any], cfg: ModelConfig, args
 def run_case(case: Dict[str, Any], model_fields: Dict[str, Any], args: Dict[str, Any]) -> Dict[str, Any]:
     ctx = mp.get_context("fork" if args["device"] == "cpu" else "spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, args["workers"], port, case, model_fields, args, results))
              for r in range(args["workers"])]
     for p in procs:
@@ -271,10 +265,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                    "met": bool(bsdp and bsdp.get("peak_vs_ddp", 1.0) <= 0.6)},
         "results": results,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if ns.out:
-        Path(ns.out).write_text(text)
+    emit_report(report, ns.out, indent=2)
     return 0
 
 

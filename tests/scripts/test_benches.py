@@ -1,5 +1,5 @@
 """The benchmarks' own logic: bench_network's arms, time-to-loss bookkeeping and arguments;
-bench_optimizer's top-k comparison at a small size."""
+bench_optimizer's top-k comparison at a small size; the report and port helpers they share."""
 import importlib.util
 import json
 import sys
@@ -18,6 +18,25 @@ def _load(name: str):
 
 
 bench_network = _load("bench_network")
+bench_io = _load("bench_io")
+
+
+def test_emit_report_prints_the_json_and_writes_it_into_a_new_folder(tmp_path, capsys):
+    out = tmp_path / "new" / "report.json"
+    bench_io.emit_report({"a": 1, "b": [2.5]}, out)
+    assert json.loads(capsys.readouterr().out) == {"a": 1, "b": [2.5]}
+    assert json.loads(out.read_text()) == {"a": 1, "b": [2.5]} and out.read_text().endswith("\n")
+    bench_io.emit_report({"c": 3})  # no --out: printed only
+    assert json.loads(capsys.readouterr().out) == {"c": 3}
+
+
+def test_free_port_is_a_port_a_server_can_bind():
+    import socket
+
+    port = bench_io.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        assert s.getsockname()[1] == port
 
 
 def _records():
