@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Sequence, TypeVar
 
 import torch
 
@@ -36,9 +36,24 @@ class FlatParameters:
         self.grad.zero_()
 
 
-def param_groups(params: List[torch.nn.Parameter], weight_decay: float) -> List[Dict[str, Any]]:
+Item = TypeVar("Item")
+
+
+def decays(param: torch.Tensor) -> bool:
     """Weight decay on matrices only (ndim >= 2), never on norms and biases (nanoGPT's rule)."""
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
+    return param.ndim >= 2
+
+
+def flat_order(items: Sequence[Item], param: Callable[[Item], torch.Tensor] = lambda item: item) -> List[Item]:
+    """The order of the parameters in a flat buffer: the decayed ones first, so that weight decay
+    covers one prefix, then the rest, each group in model order. ``param`` reads the tensor from
+    an item (``lambda named: named[1]`` for ``named_parameters()``)."""
+    return [x for x in items if decays(param(x))] + [x for x in items if not decays(param(x))]
+
+
+def param_groups(params: List[torch.nn.Parameter], weight_decay: float) -> List[Dict[str, Any]]:
+    """The decayed parameters (``decays``) in one group, the rest without weight decay."""
+    decay = [p for p in params if decays(p)]
+    no_decay = [p for p in params if not decays(p)]
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]

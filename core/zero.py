@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from core.comm import Collectives
-from core.flat import FlatParameters
+from core.flat import FlatParameters, decays, flat_order
 from core.optim import optimizer_for_groups
 from core.sync import GradientSynchronizer
 
@@ -39,8 +39,8 @@ class ZeroDenseSynchronizer(GradientSynchronizer):
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("optimizer.shard=true needs at least one trainable parameter")
-        decay = [p for p in params if p.ndim >= 2]
-        self.flat = FlatParameters(decay + [p for p in params if p.ndim < 2], pad_to=self.world)
+        decay = [p for p in params if decays(p)]
+        self.flat = FlatParameters(flat_order(params), pad_to=self.world)
         size = self.flat.padded_numel // self.world
         self.shard = slice(self.rank * size, (self.rank + 1) * size)
         self.grad_shard = torch.zeros(size, dtype=torch.float32, device=self.flat.data.device)

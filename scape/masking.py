@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from core.comm import CollectiveError, Collectives
-from core.flat import FlatParameters
+from core.flat import FlatParameters, decays, flat_order
 from core.sync import GradientSynchronizer
 from scape import kernels, transport
 from scape.config import OptimizerConfig
@@ -34,7 +34,6 @@ from scape.timing import StepTimers
 from scape.topk import topk_mask
 
 _TIMERS = ("topk", "pack", "wait")
-
 
 class _PendingMask:
     """An all-gather of mask parts in flight, and what is needed to decode it."""
@@ -222,8 +221,8 @@ class MaskedSynchronizer(GradientSynchronizer):
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError(f"{owner} needs at least one trainable parameter")
-        decay = [p for p in params if p.ndim >= 2]
-        ordered = decay + [p for p in params if p.ndim < 2]
+        ordered = flat_order(params)
+        decay = [p for p in ordered if decays(p)]
         self.layout = Partitioning(sum(p.numel() for p in params),
                                    num_partitions or self.world, self.world, self.rank)
         self.flat = FlatParameters(ordered, pad_to=self.layout.pad_multiple)

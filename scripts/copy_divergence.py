@@ -42,6 +42,7 @@ def load_copies(checkpoint: Path) -> List[torch.Tensor]:
 def divergence(checkpoint: Path, per_tensor: bool = False) -> Dict:
     from omegaconf import OmegaConf
 
+    from core.flat import flat_order
     from data.loader import TokenLoader
     from data.preparation import prepared_dir_for
     from models import build_model
@@ -50,7 +51,7 @@ def divergence(checkpoint: Path, per_tensor: bool = False) -> Dict:
     cfg = OmegaConf.load(run / "config.yaml")
     model = build_model(cfg.model)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    ordered = [(n, p) for n, p in params if p.ndim >= 2] + [(n, p) for n, p in params if p.ndim < 2]
+    ordered = flat_order(params, param=lambda named: named[1])
     numel = sum(p.numel() for _, p in ordered)
     copies = torch.stack([c[:numel] for c in load_copies(checkpoint)])
     average = copies.mean(0)

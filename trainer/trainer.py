@@ -187,7 +187,7 @@ class Trainer:
               f"steps, {'resuming from ' + str(self.resume_from) if self.resume_from else 'from scratch'}", flush=True)
 
     def _build_components(self) -> None:
-        cfg, t, env = self.cfg, self.cfg.train, self.env
+        t, env = self.cfg.train, self.env
         self.checkpointer = Checkpointer(self.run_dir, self.sync, env, t.ckpt_every, t.keep_last, self._meta)
         self.dense_bytes = all_reduce_bytes(self.full_params * 4, env.world_size)
         self.metrics = MetricsProcessor(self.logger, self.sync, self.comm, t.log_every, self.start_step,
