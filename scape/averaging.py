@@ -29,7 +29,10 @@ One step t, in the loop's order
                       local momentum (``scape.kernels.adams_dense_update``: decoupled weight
                       decay on the ndim >= 2 prefix of the flat layout, dense AdamS's arithmetic);
                       normalizer=shared: the same momentum and decay over one replicated
-                      denominator D (``_SharedNormalizer``), so the local steps are linear.
+                      denominator D (``_SharedNormalizer``), so the local steps are linear;
+                      local_momentum=consensus: the step is b1 M + (1 - b1) g_i over D, with
+                      M one replicated momentum (held in the momentum buffer, the same on
+                      every rank), re-estimated at each exchange from the averaged drift.
     after_step        score |d_i| = |y_i - x| on this rank's own partition(s); exact top-k per
                       partition (``scape.topk``), k = ceil(density(t+1) |P_r|) with SCAPE's
                       sparsity warm-up; encode (``scape.transport``: bitmap / indices / auto) and
@@ -212,8 +215,13 @@ class _SharedNormalizer:
         self.reveal(q, mask, step)
 
     def local_step(self, param: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor, lr: float,
-                   beta1: float, bias_correction: float, weight_decay: float, decay_end: int) -> None:
+                   beta1: float, bias_correction: float, weight_decay: float, decay_end: int,
+                   frozen: bool = False) -> None:
         """y *= 1 - lr wd (decay range); m = b1 m + (1 - b1) g; y -= lr clamp((m / bc) / D, +-c).
+
+        ``frozen`` (local_momentum=consensus): m is the consensus momentum M and stays as it is;
+        the step is y -= lr clamp((b1 M + (1 - b1) g) / D, +-c), with no bias correction (M
+        starts at the mean gradient of step 1).
 
         c = 1 / sqrt(1 - beta2) is the furthest AdamS moves a coordinate in one step (its first
         step). It binds where this rank's momentum is far above the shared scale: a coordinate
@@ -224,8 +232,12 @@ class _SharedNormalizer:
         """
         if weight_decay != 0.0 and decay_end > 0:
             param[:decay_end].mul_(1.0 - lr * weight_decay)
-        momentum.mul_(beta1).add_(grad, alpha=1.0 - beta1)
-        update = torch.div(momentum, self.denominator).mul_(1.0 / bias_correction)
+        if frozen:
+            update = torch.add(grad, momentum, alpha=beta1 / (1.0 - beta1)).mul_(1.0 - beta1)
+            update.div_(self.denominator)
+        else:
+            momentum.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+            update = torch.div(momentum, self.denominator).mul_(1.0 / bias_correction)
         self.clamped = (update.abs() > self.bound).sum()  # a device tensor: read at log steps only
         param.add_(update.clamp_(-self.bound, self.bound), alpha=-lr)
         self.lr_sum.add_(lr)
@@ -278,6 +290,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self.revealed = cfg.normalizer == "revealed"
         self.oracle = cfg.normalizer == "oracle"
         self.average_momentum = bool(cfg.average_momentum)
+        self.consensus_momentum = cfg.local_momentum == "consensus"
         self.normalizer = _SharedNormalizer(
             self.consensus, float(cfg.betas[1]), float(cfg.eps),
             1.0 / (1.0 - float(cfg.betas[0])) if self.revealed else None, float(cfg.step_bound),
@@ -344,6 +357,15 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         mean_momentum = payload[count:2 * count].float().div_(self.world) if revealed else None
         if self.revealed:  # q: the mean momentum now (after step t - 1), bias-corrected
             self.normalizer.reveal(mean_momentum / bias_correction, mask, step)
+        elif self.consensus_momentum:
+            momentum = self._consensus_momentum(mean, mask, step)
+            self.normalizer.exchange(mean, mask, step)
+            bound = _take(self.normalizer.denominator, mask).mul_(self.normalizer.bound)
+            momentum = torch.minimum(torch.maximum(momentum, -bound), bound)
+            if mask is None:
+                self.optimizer.momentum.copy_(momentum)
+            else:
+                kernels.scatter(self.optimizer.momentum, mask, momentum)
         elif self.normalizer is not None and not self.oracle:
             self.normalizer.exchange(mean, mask, step)
         if self.average_momentum:  # every rank's momentum becomes the mean there (as y_i becomes x)
@@ -361,6 +383,31 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             x.index_add_(0, mask, mean)
             snapped = x.index_select(0, mask)
             kernels.scatter(y, mask, snapped if kept is None else snapped.add_(kept))
+
+    def _consensus_momentum(self, mean_drift: torch.Tensor, mask: Optional[torch.Tensor], step: int) -> torch.Tensor:
+        """local_momentum=consensus: the new M on the exchanged coordinates (before D folds them in).
+
+        Every rank stepped b1 M + (1 - b1) g_i over D since the last exchange, so the averaged
+        drift, less the weight decay's known share (lr wd x a step), reveals the lr-weighted
+        mean step r = b1 M + (1 - b1) gbar over the S steps covered, hence gbar, the mean
+        gradient there. M then moves as dense momentum would under a steady gbar:
+        M <- b1^S M + (1 - b1^S) gbar (at S = 1 exactly dense momentum on the mean gradient).
+        The caller bounds |M| by c D (c: the step bound), as a local step is bounded, so that
+        the bias the clamp puts in r cannot feed back into M.
+        """
+        n, beta1 = self.normalizer, self.optimizer.beta1
+        lr_sum, momentum = _take(n.lr_sum, mask), _take(self.optimizer.momentum, mask)
+        decayed = -mean_drift
+        wd, decay_end = self.optimizer.weight_decay, self.optimizer.decay_end
+        if wd and decay_end > 0:
+            index = torch.arange(lr_sum.numel(), device=self.device) if mask is None else mask
+            decay = (index < decay_end).float().mul_(wd).mul_(lr_sum).mul_(_take(self.consensus, mask))
+            decayed.sub_(decay)
+        step_mean = decayed.mul_(_take(n.denominator, mask)).div_(lr_sum.clamp(min=torch.finfo(lr_sum.dtype).tiny))
+        gradient = step_mean.sub_(momentum, alpha=beta1).div_(1.0 - beta1)
+        keep = torch.pow(torch.full_like(lr_sum, beta1), (step - _take(n.last, mask)).float())
+        updated = momentum * keep + gradient * (1.0 - keep)
+        return torch.where(lr_sum > 0, updated, momentum)  # no lr since: nothing was revealed
 
     def _consensus_update(self, mean_sum: torch.Tensor, mask: Optional[torch.Tensor], step: int):
         """exchange=momentum: (x, second, D) on the selection after a step on the mean momentum sum.
@@ -477,10 +524,13 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
                 # whose mean starts D and is every rank's step-1 gradient (a dense first step)
                 self.comm.all_reduce(self.flat.grad, kind="grad_allreduce")
                 self.normalizer.start(self.flat.grad.div_(self.world))
+                if self.consensus_momentum:  # M starts at the mean gradient
+                    self.optimizer.momentum.copy_(self.flat.grad)
             opt = self.optimizer
             opt.param_groups[0]["lr"] = lr
             self.normalizer.local_step(self.flat.data, opt.momentum, self.flat.grad, lr, opt.beta1,
-                                       1.0 - opt.beta1 ** step, opt.weight_decay, opt.decay_end)
+                                       1.0 - opt.beta1 ** step, opt.weight_decay, opt.decay_end,
+                                       frozen=self.consensus_momentum)
         self.step_count = step
 
     @torch.no_grad()

@@ -52,6 +52,12 @@ class OptimizerConfig(DenseOptimizerConfig):
     # the momenta travel beside the drifts (twice the values; with normalizer=revealed they are
     # already there) and every rank's momentum snaps to their mean where the copies snap to x
     average_momentum: bool = False
+    # the momentum of the local steps: own (each rank's momentum of its own gradients) or consensus
+    # (MimeLite's rule: one replicated momentum M, frozen between a coordinate's exchanges and
+    # re-estimated at each from the mean step the averaged drift reveals; a local step is
+    # b1 M + (1 - b1) g_i, so the copies share the momentum and differ by one step's gradient
+    # noise only). consensus needs normalizer=shared
+    local_momentum: str = "own"
     # shared / revealed: the bound on a local step's |(m / bc) / D|; 0 = 1 / sqrt(1 - b2), AdamS's
     # largest step (a small bound makes the local steps sign steps of size lr * bound)
     step_bound: float = 0.0

@@ -46,7 +46,8 @@ def as_dataclass(cfg) -> OptimizerConfig:
 
 # keys that only optimizer=sparse_avg reads (scape/averaging.py has the list the other way round)
 SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule", "normalizer", "exchange", "step_bound",
-                        "average_momentum")
+                        "average_momentum", "local_momentum")
+LOCAL_MOMENTA = ("own", "consensus")
 MASK_RULES = ("drift", "deviation", "random", "cyclic")
 NORMALIZERS = ("local", "shared", "revealed", "oracle")
 EXCHANGES = ("drift", "momentum")
@@ -106,6 +107,12 @@ def validate_config(cfg: OptimizerConfig) -> None:
     if cfg.average_momentum and cfg.exchange == "momentum":
         raise ValueError("optimizer.average_momentum=true snaps the momenta where the drifts are averaged; "
                          "optimizer.exchange=momentum averages momentum sums instead: use exchange=drift")
+    _choice("local_momentum", cfg.local_momentum, LOCAL_MOMENTA)
+    if cfg.local_momentum == "consensus" and (cfg.normalizer != "shared" or cfg.exchange != "drift"
+                                              or cfg.average_momentum):
+        raise ValueError("optimizer.local_momentum=consensus estimates the shared momentum from the averaged drift "
+                         "over the shared denominator; it needs optimizer.normalizer=shared, exchange=drift and "
+                         "average_momentum=false")
     if cfg.step_bound and cfg.normalizer == "local":
         raise ValueError(f"optimizer.step_bound={cfg.step_bound} bounds the steps over a shared denominator; "
                          f"it needs optimizer.normalizer=shared, revealed or oracle")

@@ -127,6 +127,8 @@ _PARTS = {
     "ornorm": (("optimizer.normalizer=oracle",), "oracle denominator (dense momentum all-reduce)"),
     "avgm": (("optimizer.average_momentum=true",), "momenta averaged with the drifts"),  # sparse_avg only
     "mom": (("optimizer.betas=[{n},0.95]",), "b1 {n}"),
+    # sparse_avg, shared D only: the local steps share one momentum (MimeLite's rule)
+    "cmom": (("optimizer.local_momentum=consensus",), "one consensus momentum"),
     "wd": (("optimizer.weight_decay={n}",), "weight decay {n}"),
     "exmom": (("optimizer.exchange=momentum",), "consensus steps on the averaged momentum sums"),  # sparse_avg only
     "sp": (("optimizer.sparsity={n}",), "sparsity {n}"),
@@ -142,7 +144,7 @@ def compose_arm(name: str) -> Optional[Arm]:
     lrsumN (catch-up capped at N; 0 = 1 / density), warmN, clip, noclip, lrX, and for sparse
     averaging omX / olrX (outer Nesterov momentum / outer lr), dev / rand / cyc / topk (mask rule), shnorm / rvnorm / lnorm (one shared
     denominator from the drift / from momenta sent beside it / each rank's own), ornorm (D from every
-    coordinate's mean momentum each step: a decomposition tool), avgm (momenta averaged with the drifts), momX (b1 = X, b2 the default 0.95), wdX (weight decay X), exmom (the consensus steps on the averaged momentum sums); spX sets the sparsity, bfloat the
+    coordinate's mean momentum each step: a decomposition tool), avgm (momenta averaged with the drifts), cmom (the local steps share one consensus momentum), momX (b1 = X, b2 the default 0.95), wdX (weight decay X), exmom (the consensus steps on the averaged momentum sums); spX sets the sparsity, bfloat the
     value dtype. None if the name is
     not of that form."""
     base, *parts = name.split("+")

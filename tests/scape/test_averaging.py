@@ -65,6 +65,8 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
     revealed = cfg.normalizer == "revealed"  # ... sent beside the drift, one sample per exchange
     oracle = cfg.normalizer == "oracle"  # ... of every coordinate, every step
     summed = cfg.exchange == "momentum"  # the consensus steps on the mean momentum sum over D
+    frozen = cfg.local_momentum == "consensus"  # one momentum M for all ranks, re-estimated at exchanges
+    bound = cfg.step_bound or (1 - b2) ** -0.5
     sums = [torch.zeros_like(x) for _ in range(world)]
     second, lr_sum, last_sent, denom = torch.zeros_like(x), torch.zeros_like(x), torch.zeros_like(x), None
     mask, history = None, []
@@ -94,6 +96,11 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
                 for y, a in zip(ys, sums):
                     y[sel], a[sel] = x[sel], 0
             delta = sum(y[sel] - x[sel] for y in ys) / world
+            if frozen:  # the mean step r = b1 M + (1 - b1) gbar, less the decay's share lr wd x
+                r = -(delta + torch.where(sel < decay_end, wd * x[sel] * lr_sum[sel], 0.0)) * denom[sel] / lr_sum[sel]
+                gbar = (r - b1 * ms[0][sel]) / (1 - b1)
+                keep = b1 ** (t - last_sent[sel])
+                new_m = keep * ms[0][sel] + (1 - keep) * gbar
             u[sel] = mu * u[sel] + delta
             x[sel] += eta * (delta + mu * u[sel])
             rate[sel] = eta * (delta + mu * u[sel]) / (t - last[sel])
@@ -107,6 +114,10 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
                 second[sel] = w * second[sel] + (1 - w) * q ** 2
                 denom[sel] = (second[sel] / (1 - b2 ** t)).sqrt() + eps
                 lr_sum[sel], last_sent[sel] = 0, t
+                if frozen:  # |M| <= c D, as a local step is bounded
+                    new_m = torch.maximum(torch.minimum(new_m, bound * denom[sel]), -bound * denom[sel])
+                    for m in ms:
+                        m[sel] = new_m
             for y in ys:
                 y[sel] = x[sel]
             if cfg.average_momentum:  # the momenta snap to their mean where the copies snap to x
@@ -122,11 +133,15 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
             second, last_sent[:] = (1 - b2) * mean_grad ** 2, 1
             denom = mean_grad.abs() + eps
             grads = [mean_grad.clone() for _ in grads]
+            if frozen:
+                ms = [mean_grad.clone() for _ in ms]
         for g, y, m in zip(grads, ys, ms):  # local AdamS
             y[:decay_end] *= 1 - lr * wd
+            if frozen:
+                y -= lr * ((b1 * m + (1 - b1) * g) / denom).clamp(-bound, bound)
+                continue
             if shared:
                 m.mul_(b1).add_((1 - b1) * g)
-                bound = cfg.step_bound or (1 - b2) ** -0.5
                 y -= lr * ((m / c) / denom).clamp(-bound, bound)
                 continue
             local_denom = (b2 * (m / c) ** 2 + (1 - b2) * g ** 2).sqrt() + eps
@@ -175,7 +190,11 @@ REFERENCE_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.8, dense_warmup_steps=3
                      dict(sparsity=0.9, exchange="momentum", dense_warmup_steps=3),
                      dict(sparsity=0.8, mask_rule="cyclic", normalizer="oracle", sparsity_warmup_steps=4),
                      dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", average_momentum=True),
-                     dict(sparsity=0.9, normalizer="revealed", average_momentum=True, dense_warmup_steps=2)]
+                     dict(sparsity=0.9, normalizer="revealed", average_momentum=True, dense_warmup_steps=2),
+                     dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", local_momentum="consensus",
+                          sparsity_warmup_steps=4),
+                     dict(sparsity=0.9, normalizer="shared", local_momentum="consensus", dense_warmup_steps=3,
+                          step_bound=1.5)]
 
 
 def _equals_reference(rank: int, world: int) -> None:
@@ -366,7 +385,9 @@ RESUME_CONFIGS = [(dict(sparsity=0.9), 4),
                   (dict(sparsity=0.9, mask_rule="cyclic", normalizer="revealed", value_dtype="bf16"), 3),
                   (dict(sparsity=0.9, exchange="momentum"), 4),
                   (dict(sparsity=0.9, mask_rule="cyclic", normalizer="shared", average_momentum=True, value_dtype="bf16"), 3),
-                  (dict(sparsity=0.9, mask_rule="cyclic", normalizer="oracle"), 3)]
+                  (dict(sparsity=0.9, mask_rule="cyclic", normalizer="oracle"), 3),
+                  (dict(sparsity=0.9, mask_rule="cyclic", normalizer="shared", local_momentum="consensus",
+                        value_dtype="bf16"), 3)]
 
 
 def _resume(rank: int, world: int) -> None:
@@ -529,6 +550,13 @@ def test_settings_are_checked_and_the_builders_dispatch():
         SparseAverageSynchronizer(make_model(), avg_config(exchange="momentum", average_momentum=True))
     with pytest.raises(ValueError, match="optimizer.average_momentum='yes'"):
         SparseAverageSynchronizer(make_model(), avg_config(average_momentum="yes"))
+    with pytest.raises(ValueError, match="optimizer.local_momentum='mean'"):
+        SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared", local_momentum="mean"))
+    for bad in (dict(), dict(normalizer="revealed"), dict(normalizer="shared", average_momentum=True)):
+        with pytest.raises(ValueError, match="local_momentum=consensus .* needs optimizer.normalizer=shared"):
+            SparseAverageSynchronizer(make_model(), avg_config(local_momentum="consensus", **bad))
+    with pytest.raises(ValueError, match="optimizer.local_momentum=consensus"):  # SCAPE has no copies
+        scape.build_synchronizer(make_model(), avg_config(name="scape", local_momentum="consensus"))
     summed = SparseAverageSynchronizer(make_model(), avg_config(exchange="momentum"))
     train(summed.model, summed, 2, 0)
     with pytest.raises(ValueError, match="written with optimizer.exchange=momentum"):
