@@ -361,7 +361,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             momentum = self._consensus_momentum(mean, mask, step)
             self.normalizer.exchange(mean, mask, step)
             bound = _take(self.normalizer.denominator, mask).mul_(self.normalizer.bound)
-            momentum = torch.minimum(torch.maximum(momentum, -bound), bound)
+            momentum = momentum.clamp_(-bound, bound)
             if mask is None:
                 self.optimizer.momentum.copy_(momentum)
             else:

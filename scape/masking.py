@@ -35,6 +35,7 @@ from scape.topk import topk_mask
 
 _TIMERS = ("topk", "pack", "wait")
 
+
 class _PendingMask:
     """An all-gather of mask parts in flight, and what is needed to decode it."""
 
