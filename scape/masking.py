@@ -56,6 +56,8 @@ class MaskExchange:
         self.comm = comm
         self.timers = StepTimers(device)
         self.density = round(1.0 - float(cfg.sparsity), 12)
+        # the peak lr over the last step's (density_schedule=inverse_lr; written by the synchroniser)
+        self.lr_ratio = 1.0
         # what the owner ranks its own partition(s) by; written by the synchroniser
         self.score = torch.zeros(layout.owned_numel, dtype=torch.float32, device=device)
         self.mask: Optional[torch.Tensor] = None  # ascending flat indices, k per partition
@@ -70,11 +72,15 @@ class MaskExchange:
         return step <= self.cfg.dense_warmup_steps
 
     def density_at(self, step: int) -> float:
-        """Geometric decay from 1 to rho over the first sparsity_warmup_steps steps (DGC)."""
+        """Geometric decay from 1 to rho over the first sparsity_warmup_steps steps (DGC); with
+        density_schedule=inverse_lr at least rho x ``lr_ratio``, bounded by 1 - min_sparsity."""
+        density = self.density
+        if self.cfg.density_schedule == "inverse_lr":
+            density = min(max(density * self.lr_ratio, density), round(1.0 - float(self.cfg.min_sparsity), 12))
         warmup = self.cfg.sparsity_warmup_steps
         if warmup > 0 and step < warmup:
-            return self.density ** (step / warmup)
-        return self.density
+            return max(self.density ** (step / warmup), density)
+        return density
 
     def k_at(self, step: int) -> int:
         return self.layout.k(self.density_at(step))

@@ -46,7 +46,8 @@ def as_dataclass(cfg) -> OptimizerConfig:
 
 # keys that only optimizer=sparse_avg reads (scape/averaging.py has the list the other way round)
 SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule", "normalizer", "exchange", "step_bound",
-                        "average_momentum", "local_momentum")
+                        "average_momentum", "local_momentum", "density_schedule", "min_sparsity")
+DENSITY_SCHEDULES = ("constant", "inverse_lr")
 LOCAL_MOMENTA = ("own", "consensus")
 MASK_RULES = ("drift", "deviation", "random", "cyclic")
 NORMALIZERS = ("local", "shared", "revealed", "oracle")
@@ -113,6 +114,11 @@ def validate_config(cfg: OptimizerConfig) -> None:
         raise ValueError("optimizer.local_momentum=consensus estimates the shared momentum from the averaged drift "
                          "over the shared denominator; it needs optimizer.normalizer=shared, exchange=drift and "
                          "average_momentum=false")
+    _choice("density_schedule", cfg.density_schedule, DENSITY_SCHEDULES)
+    floor = cfg.min_sparsity
+    if not (isinstance(floor, (int, float)) and 0.0 <= floor <= sparsity):
+        raise ValueError(f"optimizer.min_sparsity={floor!r} must lie in [0, optimizer.sparsity={sparsity}]: "
+                         f"it bounds how far density_schedule=inverse_lr raises the density (0 = no bound)")
     if cfg.step_bound and cfg.normalizer == "local":
         raise ValueError(f"optimizer.step_bound={cfg.step_bound} bounds the steps over a shared denominator; "
                          f"it needs optimizer.normalizer=shared, revealed or oracle")

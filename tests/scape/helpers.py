@@ -1,7 +1,7 @@
 """A small model, deterministic per-rank data and a loop over the trainer's own step."""
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Union
 
 import torch
 
@@ -40,12 +40,13 @@ def scape_config(**overrides) -> OptimizerConfig:
 
 
 def train(model, sync, steps: int, rank: int, start: int = 0, max_norm: float = 1.0,
-          lr: float = 1e-2, accum: int = 2,
+          lr: Union[float, Callable[[int], float]] = 1e-2, accum: int = 2,
           hook: Optional[Callable[[int], None]] = None,
           before_reduce: Optional[Callable[[int], None]] = None,
           after: Optional[Callable[[int], None]] = None) -> List[float]:
-    """Steps of the trainer's own ``train_step``; ``before_reduce``, ``hook`` (after reduce, before
-    clip) and ``after`` (after after_step) let tests observe each stage. Returns this rank's losses."""
+    """Steps of the trainer's own ``train_step``; ``lr`` a number or a function of the step;
+    ``before_reduce``, ``hook`` (after reduce, before clip) and ``after`` (after after_step) let
+    tests observe each stage. Returns this rank's losses."""
     import torch.distributed as dist
 
     from trainer.step import train_step
@@ -60,6 +61,7 @@ def train(model, sync, steps: int, rank: int, start: int = 0, max_norm: float = 
                 stages[stage](step)
 
         micro_batches = iter([batch(rank, step, micro) for micro in range(accum)])
-        result = train_step(model, sync, micro_batches, accum, lr, max_norm, sync.comm, world, hook=observe)
+        step_lr = lr(step) if callable(lr) else lr
+        result = train_step(model, sync, micro_batches, accum, step_lr, max_norm, sync.comm, world, hook=observe)
         losses.append(result.local_loss)
     return losses

@@ -41,8 +41,9 @@ def roundtrip(obj):
     return torch.load(buffer, weights_only=True)
 
 
-def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr: float, accum: int):
-    """The algorithm for ``world`` workers in one process, written directly with torch.
+def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_of, accum: int):
+    """The algorithm for ``world`` workers in one process, written directly with torch; ``lr_of``
+    the lr of each step (a number: constant).
 
     Returns (x, [y_0, ..., y_{N-1}]) after every step (padded flat layout: matrices first).
     """
@@ -71,6 +72,7 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
     second, lr_sum, last_sent, denom = torch.zeros_like(x), torch.zeros_like(x), torch.zeros_like(x), None
     mask, history = None, []
     for t in range(1, steps + 1):
+        lr = lr_of(t) if callable(lr_of) else lr_of
         grads = []
         for r in range(world):
             flat.data.copy_(ys[r])
@@ -153,7 +155,11 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr:
         if shared or summed:
             lr_sum += lr
         if t + 1 > dense_until:  # the next mask: top-k of |y_r - x| on partition r, by its owner
-            density = rho ** ((t + 1) / warm) if warm and t + 1 < warm else rho
+            density = rho  # inverse_lr: rho x (peak lr / this step's lr), at most 1 - min_sparsity
+            if cfg.density_schedule == "inverse_lr":
+                density = min(max(rho * cfg.lr / lr, rho), 1 - cfg.min_sparsity)
+            if warm and t + 1 < warm:
+                density = max(rho ** ((t + 1) / warm), density)
             k = max(1, min(size, math.ceil(round(density * size, 6))))
             if cfg.mask_rule == "cyclic":  # the same window of one permutation in every partition
                 window = order[[(position + j) % size for j in range(k)]]
@@ -194,7 +200,19 @@ REFERENCE_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.8, dense_warmup_steps=3
                      dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", local_momentum="consensus",
                           sparsity_warmup_steps=4),
                      dict(sparsity=0.9, normalizer="shared", local_momentum="consensus", dense_warmup_steps=3,
-                          step_bound=1.5)]
+                          step_bound=1.5),
+                     dict(sparsity=0.95, mask_rule="cyclic", normalizer="shared", density_schedule="inverse_lr",
+                          min_sparsity=0.8, sparsity_warmup_steps=3),
+                     dict(sparsity=0.95, density_schedule="inverse_lr")]
+
+
+def decaying_lr(step: int) -> float:
+    """1e-2 (the configs' lr) halving every 2 steps: density_schedule=inverse_lr then moves k."""
+    return 1e-2 * 0.5 ** ((step - 1) // 2)
+
+
+def lr_for(cfg: OptimizerConfig):
+    return decaying_lr if cfg.density_schedule == "inverse_lr" else cfg.lr
 
 
 def _equals_reference(rank: int, world: int) -> None:
@@ -203,14 +221,19 @@ def _equals_reference(rank: int, world: int) -> None:
         model = make_model()
         sync = SparseAverageSynchronizer(model, cfg)
         got = []
-        train(model, sync, 8, rank, max_norm=0.5, lr=1e-2, accum=2,
-              after=lambda step: got.append((sync.consensus.clone(), sync.flat.data.clone())))
-        expected = reference(cfg, 8, world, max_norm=0.5, lr=1e-2, accum=2)
+        ks = []
+        train(model, sync, 8, rank, max_norm=0.5, lr=lr_for(cfg), accum=2,
+              after=lambda step: (got.append((sync.consensus.clone(), sync.flat.data.clone())),
+                                  ks.append(sync.masks.k)))
+        expected = reference(cfg, 8, world, max_norm=0.5, lr_of=lr_for(cfg), accum=2)
         for step, ((x, y), (ref_x, ref_ys)) in enumerate(zip(got, expected), start=1):
             torch.testing.assert_close(x, ref_x, rtol=0, atol=1e-6, msg=f"x step {step} {overrides}")
             torch.testing.assert_close(y, ref_ys[rank], rtol=0, atol=1e-6,
                                        msg=f"y_{rank} step {step} {overrides}")
         assert not torch.equal(got[-1][1], got[-1][0])  # the copies do drift from the consensus
+        if cfg.density_schedule == "inverse_lr":  # the density rose with the falling lr, to its bound
+            # the last steps' lr is 1/8 of the peak: 8 x (1 - sparsity) = 0.4, or the bound
+            assert ks[-1] > ks[2] and ks[-1] == sync.layout.k(min(0.4, 1 - cfg.min_sparsity)), ks
 
 
 def test_two_ranks_equal_the_single_process_arithmetic():
@@ -387,7 +410,9 @@ RESUME_CONFIGS = [(dict(sparsity=0.9), 4),
                   (dict(sparsity=0.9, mask_rule="cyclic", normalizer="shared", average_momentum=True, value_dtype="bf16"), 3),
                   (dict(sparsity=0.9, mask_rule="cyclic", normalizer="oracle"), 3),
                   (dict(sparsity=0.9, mask_rule="cyclic", normalizer="shared", local_momentum="consensus",
-                        value_dtype="bf16"), 3)]
+                        value_dtype="bf16"), 3),
+                  (dict(sparsity=0.95, mask_rule="cyclic", normalizer="shared", density_schedule="inverse_lr",
+                        min_sparsity=0.7, value_dtype="bf16"), 5)]
 
 
 def _resume(rank: int, world: int) -> None:
@@ -395,12 +420,12 @@ def _resume(rank: int, world: int) -> None:
         cfg = avg_config(**overrides)
         model = make_model()
         sync = SparseAverageSynchronizer(model, cfg)
-        uninterrupted = train(model, sync, 8, rank)
+        uninterrupted = train(model, sync, 8, rank, lr=lr_for(cfg))
         final_y, final_x = sync.flat.data.clone(), sync.consensus.clone()
 
         model = make_model()
         sync = SparseAverageSynchronizer(model, cfg)
-        first = train(model, sync, split, rank)
+        first = train(model, sync, split, rank, lr=lr_for(cfg))
         saved = roundtrip({"model": sync.model_state_dict(), "replicated": sync.state_dict(),
                            "local": sync.local_state_dict()})
         model = make_model(seed=123)  # other initial weights: everything must come from the files
@@ -408,7 +433,7 @@ def _resume(rank: int, world: int) -> None:
         sync.load_model_state_dict(saved["model"])  # the trainer's order: weights, replicated, local
         sync.load_state_dict(saved["replicated"])
         sync.load_local_state_dict(saved["local"])
-        second = train(model, sync, 8 - split, rank, start=split)
+        second = train(model, sync, 8 - split, rank, start=split, lr=lr_for(cfg))
         assert first + second == uninterrupted, (overrides, split)
         assert torch.equal(sync.flat.data, final_y) and torch.equal(sync.consensus, final_x)
 
@@ -557,6 +582,12 @@ def test_settings_are_checked_and_the_builders_dispatch():
             SparseAverageSynchronizer(make_model(), avg_config(local_momentum="consensus", **bad))
     with pytest.raises(ValueError, match="optimizer.local_momentum=consensus"):  # SCAPE has no copies
         scape.build_synchronizer(make_model(), avg_config(name="scape", local_momentum="consensus"))
+    with pytest.raises(ValueError, match="optimizer.density_schedule='cosine'"):
+        SparseAverageSynchronizer(make_model(), avg_config(density_schedule="cosine"))
+    with pytest.raises(ValueError, match=r"optimizer.min_sparsity=0.95 must lie in \[0, optimizer.sparsity=0.9\]"):
+        SparseAverageSynchronizer(make_model(), avg_config(density_schedule="inverse_lr", min_sparsity=0.95))
+    with pytest.raises(ValueError, match="optimizer.density_schedule='inverse_lr' is a sparse_avg option"):
+        scape.build_synchronizer(make_model(), avg_config(name="scape", density_schedule="inverse_lr"))
     summed = SparseAverageSynchronizer(make_model(), avg_config(exchange="momentum"))
     train(summed.model, summed, 2, 0)
     with pytest.raises(ValueError, match="written with optimizer.exchange=momentum"):
