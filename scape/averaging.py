@@ -514,8 +514,8 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
     @torch.no_grad()
     def step(self, lr: float) -> None:
         step = self.step_count + 1
-        # the density of the next exchanges follows this step's lr (density_schedule=inverse_lr)
-        self.masks.lr_ratio = self.cfg.lr / lr if lr > 0 else math.inf
+        # the density of the next exchanges follows this step's lr (density_lr_power)
+        self.masks.lr_ratio = lr / self.cfg.lr
         if self.normalizer is None or self.accumulated is not None:
             self.optimizer.step(self.flat.grad, lr, step)
             if self.accumulated is not None:

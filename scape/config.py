@@ -58,10 +58,11 @@ class OptimizerConfig(DenseOptimizerConfig):
     # b1 M + (1 - b1) g_i, so the copies share the momentum and differ by one step's gradient
     # noise only). consensus needs normalizer=shared
     local_momentum: str = "own"
-    # how the density moves after the sparsity warm-up: constant (1 - sparsity), or inverse_lr:
-    # (1 - sparsity) x lr / lr_t, the peak lr over the last step's, so the copies are averaged
-    # more often as the lr decays; at most 1 - min_sparsity (a byte budget per step)
-    density_schedule: str = "constant"
+    # the density follows the lr: (1 - sparsity) x (lr_t / lr)^density_lr_power, lr_t the last
+    # step's lr and lr the peak; 0 = constant, 1 = falls with the lr (the copies are averaged
+    # less often as it decays), -1 = rises as it falls; at most 1 - min_sparsity (a byte budget
+    # per step), and never below the sparsity warm-up's
+    density_lr_power: float = 0.0
     min_sparsity: float = 0.0
     # shared / revealed: the bound on a local step's |(m / bc) / D|; 0 = 1 / sqrt(1 - b2), AdamS's
     # largest step (a small bound makes the local steps sign steps of size lr * bound)

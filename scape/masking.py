@@ -19,6 +19,7 @@ the synchroniser's own (``sync.mask``, ``sync.k_at``).
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, Optional
 
 import torch
@@ -56,7 +57,7 @@ class MaskExchange:
         self.comm = comm
         self.timers = StepTimers(device)
         self.density = round(1.0 - float(cfg.sparsity), 12)
-        # the peak lr over the last step's (density_schedule=inverse_lr; written by the synchroniser)
+        # the last step's lr over the peak lr (density_lr_power; written by the synchroniser)
         self.lr_ratio = 1.0
         # what the owner ranks its own partition(s) by; written by the synchroniser
         self.score = torch.zeros(layout.owned_numel, dtype=torch.float32, device=device)
@@ -72,11 +73,13 @@ class MaskExchange:
         return step <= self.cfg.dense_warmup_steps
 
     def density_at(self, step: int) -> float:
-        """Geometric decay from 1 to rho over the first sparsity_warmup_steps steps (DGC); with
-        density_schedule=inverse_lr at least rho x ``lr_ratio``, bounded by 1 - min_sparsity."""
+        """rho x ``lr_ratio`` ^ density_lr_power, at most 1 - min_sparsity; over the first
+        sparsity_warmup_steps steps at least the warm-up's geometric decay from 1 to rho (DGC)."""
         density = self.density
-        if self.cfg.density_schedule == "inverse_lr":
-            density = min(max(density * self.lr_ratio, density), round(1.0 - float(self.cfg.min_sparsity), 12))
+        power = self.cfg.density_lr_power
+        if power:
+            scale = self.lr_ratio ** power if self.lr_ratio > 0 else (0.0 if power > 0 else math.inf)
+            density = min(density * scale, round(1.0 - float(self.cfg.min_sparsity), 12))
         warmup = self.cfg.sparsity_warmup_steps
         if warmup > 0 and step < warmup:
             return max(self.density ** (step / warmup), density)

@@ -46,8 +46,7 @@ def as_dataclass(cfg) -> OptimizerConfig:
 
 # keys that only optimizer=sparse_avg reads (scape/averaging.py has the list the other way round)
 SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule", "normalizer", "exchange", "step_bound",
-                        "average_momentum", "local_momentum", "density_schedule", "min_sparsity")
-DENSITY_SCHEDULES = ("constant", "inverse_lr")
+                        "average_momentum", "local_momentum", "density_lr_power", "min_sparsity")
 LOCAL_MOMENTA = ("own", "consensus")
 MASK_RULES = ("drift", "deviation", "random", "cyclic")
 NORMALIZERS = ("local", "shared", "revealed", "oracle")
@@ -114,11 +113,14 @@ def validate_config(cfg: OptimizerConfig) -> None:
         raise ValueError("optimizer.local_momentum=consensus estimates the shared momentum from the averaged drift "
                          "over the shared denominator; it needs optimizer.normalizer=shared, exchange=drift and "
                          "average_momentum=false")
-    _choice("density_schedule", cfg.density_schedule, DENSITY_SCHEDULES)
+    power = cfg.density_lr_power
+    if not (isinstance(power, (int, float)) and math.isfinite(power)):
+        raise ValueError(f"optimizer.density_lr_power={power!r} must be a number (0 = constant density, "
+                         f"1 = the density falls with the lr, -1 = it rises as the lr falls)")
     floor = cfg.min_sparsity
     if not (isinstance(floor, (int, float)) and 0.0 <= floor <= sparsity):
         raise ValueError(f"optimizer.min_sparsity={floor!r} must lie in [0, optimizer.sparsity={sparsity}]: "
-                         f"it bounds how far density_schedule=inverse_lr raises the density (0 = no bound)")
+                         f"it bounds the density that density_lr_power sets (0 = no bound)")
     if cfg.step_bound and cfg.normalizer == "local":
         raise ValueError(f"optimizer.step_bound={cfg.step_bound} bounds the steps over a shared denominator; "
                          f"it needs optimizer.normalizer=shared, revealed or oracle")

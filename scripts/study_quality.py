@@ -132,9 +132,10 @@ _PARTS = {
     "wd": (("optimizer.weight_decay={n}",), "weight decay {n}"),
     "exmom": (("optimizer.exchange=momentum",), "consensus steps on the averaged momentum sums"),  # sparse_avg only
     "sp": (("optimizer.sparsity={n}",), "sparsity {n}"),
-    # sparse_avg only: the density rises as rho x peak lr / lr, to at most 1 - N
-    "invlr": (("optimizer.density_schedule=inverse_lr", "optimizer.min_sparsity={n}"),
+    # sparse_avg only: the density rises as rho x peak lr / lr, to at most 1 - N; or falls with the lr
+    "invlr": (("optimizer.density_lr_power=-1", "optimizer.min_sparsity={n}"),
               "density x peak lr / lr, sparsity >= {n}"),
+    "withlr": (("optimizer.density_lr_power=1",), "density x lr / peak lr"),
     "bfloat": (("optimizer.value_dtype=bf16",), "bf16 values"),
     # sparse_avg's rule before the mask-rule study: the owner's top-k drifts, fp32 values
     "topk": (("optimizer.mask_rule=drift", "optimizer.value_dtype=fp32"), "top-k drift mask, fp32 values"),
@@ -147,7 +148,7 @@ def compose_arm(name: str) -> Optional[Arm]:
     lrsumN (catch-up capped at N; 0 = 1 / density), warmN, clip, noclip, lrX, and for sparse
     averaging omX / olrX (outer Nesterov momentum / outer lr), dev / rand / cyc / topk (mask rule), shnorm / rvnorm / lnorm (one shared
     denominator from the drift / from momenta sent beside it / each rank's own), ornorm (D from every
-    coordinate's mean momentum each step: a decomposition tool), avgm (momenta averaged with the drifts), cmom (the local steps share one consensus momentum), momX (b1 = X, b2 the default 0.95), wdX (weight decay X), exmom (the consensus steps on the averaged momentum sums), invlrN (the density rises as the lr falls, sparsity at least N); spX sets the sparsity, bfloat the
+    coordinate's mean momentum each step: a decomposition tool), avgm (momenta averaged with the drifts), cmom (the local steps share one consensus momentum), momX (b1 = X, b2 the default 0.95), wdX (weight decay X), exmom (the consensus steps on the averaged momentum sums), invlrN (the density rises as the lr falls, sparsity at least N), withlr (it falls with the lr); spX sets the sparsity, bfloat the
     value dtype. None if the name is
     not of that form."""
     base, *parts = name.split("+")

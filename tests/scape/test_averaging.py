@@ -155,9 +155,8 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
         if shared or summed:
             lr_sum += lr
         if t + 1 > dense_until:  # the next mask: top-k of |y_r - x| on partition r, by its owner
-            density = rho  # inverse_lr: rho x (peak lr / this step's lr), at most 1 - min_sparsity
-            if cfg.density_schedule == "inverse_lr":
-                density = min(max(rho * cfg.lr / lr, rho), 1 - cfg.min_sparsity)
+            # rho x (this step's lr / the peak lr) ^ power, at most 1 - min_sparsity
+            density = min(rho * (lr / cfg.lr) ** cfg.density_lr_power, 1 - cfg.min_sparsity)
             if warm and t + 1 < warm:
                 density = max(rho ** ((t + 1) / warm), density)
             k = max(1, min(size, math.ceil(round(density * size, 6))))
@@ -201,18 +200,19 @@ REFERENCE_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.8, dense_warmup_steps=3
                           sparsity_warmup_steps=4),
                      dict(sparsity=0.9, normalizer="shared", local_momentum="consensus", dense_warmup_steps=3,
                           step_bound=1.5),
-                     dict(sparsity=0.95, mask_rule="cyclic", normalizer="shared", density_schedule="inverse_lr",
+                     dict(sparsity=0.95, mask_rule="cyclic", normalizer="shared", density_lr_power=-1,
                           min_sparsity=0.8, sparsity_warmup_steps=3),
-                     dict(sparsity=0.95, density_schedule="inverse_lr")]
+                     dict(sparsity=0.95, density_lr_power=-1),
+                     dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", density_lr_power=1)]
 
 
 def decaying_lr(step: int) -> float:
-    """1e-2 (the configs' lr) halving every 2 steps: density_schedule=inverse_lr then moves k."""
+    """1e-2 (the configs' lr) halving every 2 steps: with density_lr_power the density then moves."""
     return 1e-2 * 0.5 ** ((step - 1) // 2)
 
 
 def lr_for(cfg: OptimizerConfig):
-    return decaying_lr if cfg.density_schedule == "inverse_lr" else cfg.lr
+    return decaying_lr if cfg.density_lr_power else cfg.lr
 
 
 def _equals_reference(rank: int, world: int) -> None:
@@ -231,9 +231,11 @@ def _equals_reference(rank: int, world: int) -> None:
             torch.testing.assert_close(y, ref_ys[rank], rtol=0, atol=1e-6,
                                        msg=f"y_{rank} step {step} {overrides}")
         assert not torch.equal(got[-1][1], got[-1][0])  # the copies do drift from the consensus
-        if cfg.density_schedule == "inverse_lr":  # the density rose with the falling lr, to its bound
-            # the last steps' lr is 1/8 of the peak: 8 x (1 - sparsity) = 0.4, or the bound
-            assert ks[-1] > ks[2] and ks[-1] == sync.layout.k(min(0.4, 1 - cfg.min_sparsity)), ks
+        power = cfg.density_lr_power
+        if power:  # the density moved with the falling lr (against it for power < 0), to its bound
+            # the last steps' lr is 1/8 of the peak
+            final = min((1 - cfg.sparsity) * 0.125 ** power, 1 - cfg.min_sparsity)
+            assert (ks[-1] - ks[2]) * power < 0 and ks[-1] == sync.layout.k(final), ks
 
 
 def test_two_ranks_equal_the_single_process_arithmetic():
@@ -411,8 +413,10 @@ RESUME_CONFIGS = [(dict(sparsity=0.9), 4),
                   (dict(sparsity=0.9, mask_rule="cyclic", normalizer="oracle"), 3),
                   (dict(sparsity=0.9, mask_rule="cyclic", normalizer="shared", local_momentum="consensus",
                         value_dtype="bf16"), 3),
-                  (dict(sparsity=0.95, mask_rule="cyclic", normalizer="shared", density_schedule="inverse_lr",
-                        min_sparsity=0.7, value_dtype="bf16"), 5)]
+                  (dict(sparsity=0.95, mask_rule="cyclic", normalizer="shared", density_lr_power=-1,
+                        min_sparsity=0.7, value_dtype="bf16"), 5),
+                  (dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", density_lr_power=1,
+                        value_dtype="bf16"), 3)]
 
 
 def _resume(rank: int, world: int) -> None:
@@ -582,12 +586,12 @@ def test_settings_are_checked_and_the_builders_dispatch():
             SparseAverageSynchronizer(make_model(), avg_config(local_momentum="consensus", **bad))
     with pytest.raises(ValueError, match="optimizer.local_momentum=consensus"):  # SCAPE has no copies
         scape.build_synchronizer(make_model(), avg_config(name="scape", local_momentum="consensus"))
-    with pytest.raises(ValueError, match="optimizer.density_schedule='cosine'"):
-        SparseAverageSynchronizer(make_model(), avg_config(density_schedule="cosine"))
+    with pytest.raises(ValueError, match="optimizer.density_lr_power='lr' must be a number"):
+        SparseAverageSynchronizer(make_model(), avg_config(density_lr_power="lr"))
     with pytest.raises(ValueError, match=r"optimizer.min_sparsity=0.95 must lie in \[0, optimizer.sparsity=0.9\]"):
-        SparseAverageSynchronizer(make_model(), avg_config(density_schedule="inverse_lr", min_sparsity=0.95))
-    with pytest.raises(ValueError, match="optimizer.density_schedule='inverse_lr' is a sparse_avg option"):
-        scape.build_synchronizer(make_model(), avg_config(name="scape", density_schedule="inverse_lr"))
+        SparseAverageSynchronizer(make_model(), avg_config(density_lr_power=-1, min_sparsity=0.95))
+    with pytest.raises(ValueError, match="optimizer.density_lr_power=-1 is a sparse_avg option"):
+        scape.build_synchronizer(make_model(), avg_config(name="scape", density_lr_power=-1))
     summed = SparseAverageSynchronizer(make_model(), avg_config(exchange="momentum"))
     train(summed.model, summed, 2, 0)
     with pytest.raises(ValueError, match="written with optimizer.exchange=momentum"):
