@@ -13,7 +13,7 @@ chain). A group of one rank sends nothing.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,14 @@ def _group_size(group: Optional[dist.ProcessGroup]) -> int:
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group)
+
+
+def new_groups(rank_sets: Sequence[Sequence[int]]) -> List[Optional[dist.ProcessGroup]]:
+    """One process group per set of ranks, created by every rank in the same order (as torch
+    requires, also for the groups a rank is not in); all None outside a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [None] * len(rank_sets)
+    return [dist.new_group(list(ranks)) for ranks in rank_sets]
 
 
 def all_reduce_bytes(nbytes: int, world: int) -> float:

@@ -11,6 +11,10 @@ State
     per rank: the local copy y_i -- the model's parameters ARE y_i (views into one flat buffer,
     ``core.flat.FlatParameters``) -- and the local AdamS momentum m_i. The drift is
     d_i = y_i - x; it is never stored, so a checkpoint holds y_i bit for bit.
+    ranks_per_copy: G > 1 consecutive ranks train one copy (a node's GPUs): reduce_gradients
+    first averages their gradients densely (kind copy_gradients, inside the node), so they hold
+    the same y_i; every exchange below then runs among the W / G copies, in the group of the
+    ranks with this rank's index in its copy (one rail per GPU of a node).
 
 One step t, in the loop's order
     reduce_gradients  wait for M_t's all-gather (started in the previous after_step); payload =
@@ -79,7 +83,7 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 
 from core.checkpoint import repad
-from core.comm import Collectives, all_reduce_bytes
+from core.comm import Collectives, all_reduce_bytes, new_groups
 from scape import kernels
 from scape.accounting import VALUE_BYTES, scape_step_bytes
 from scape.config import OptimizerConfig
@@ -269,6 +273,22 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         decay_numel = self._flatten(model, NAME, comm=comm)  # self.flat.data is y_i
         super().__init__(model, _LocalAdamS(self.flat.data, decay_numel, cfg), self.comm)
         self.consensus = self.flat.data.clone()  # x: every rank seeds identically, so y_i = x
+        # ranks_per_copy: this rank trains one copy with the others of its group (their gradients
+        # averaged densely, as DDP would), and every exchange among the copies runs in a group of
+        # one rank per copy, so the copies, not the ranks, are what the drifts are averaged over
+        self.ranks_per_copy = int(cfg.ranks_per_copy)
+        self.copies = self.world // self.ranks_per_copy
+        self.copy_comm: Optional[Collectives] = None
+        self.exchange_comm = self.comm
+        if self.ranks_per_copy > 1:
+            size = self.ranks_per_copy
+            if self.world % size or self.comm.group is not None:
+                raise ValueError(f"optimizer.ranks_per_copy={size} must divide the number of ranks "
+                                 f"({self.world}): set it to the GPUs per node, or 1")
+            groups = new_groups([range(c * size, (c + 1) * size) for c in range(self.copies)]
+                                + [range(j, self.world, size) for j in range(size)])
+            self.copy_comm = self.comm.in_group(groups[self.rank // size])
+            self.exchange_comm = self.comm.in_group(groups[self.copies + self.rank % size])
         self.outer_lr, self.outer_momentum = float(cfg.outer_lr), float(cfg.outer_momentum)
         # the outer momentum u (replicated like x); None = plain averaging
         self.outer_velocity = torch.zeros_like(self.consensus) if self.outer_momentum else None
@@ -312,6 +332,9 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
     def reduce_gradients(self) -> None:
         step = self.step_count + 1
         self.masks.start_step()
+        if self.copy_comm is not None:  # the copy's gradient: the mean over its ranks
+            self.copy_comm.all_reduce(self.flat.grad, kind="copy_gradients")
+            self.flat.grad.div_(self.ranks_per_copy)
         y, x = self.flat.data, self.consensus
         self._local_norm = torch.linalg.vector_norm(self.flat.grad)
         if step == 1:  # no drift yet (every copy starts at x), no mask: only the norm crosses
@@ -336,25 +359,25 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             if revealed:
                 payload[count:2 * count].copy_(_take(self.optimizer.momentum, mask))
         payload[-1] = self._local_norm.square()
-        self.comm.all_reduce(payload, kind="scape_values")
+        self.exchange_comm.all_reduce(payload, kind="scape_values")
         self._global_sq = payload[-1].float()
         self._sent = count
         bias_correction = 1.0 - self.optimizer.beta1 ** (step - 1)
         if self.oracle and step > 1:  # every coordinate's mean momentum (after step t - 1) into D
             numel = self.layout.numel
             summed = self.optimizer.momentum[:numel].clone()
-            self.comm.all_reduce(summed, kind="oracle")
+            self.exchange_comm.all_reduce(summed, kind="oracle")
             q = torch.zeros_like(self.optimizer.momentum)
-            q[:numel] = summed.div_(self.world * bias_correction)
+            q[:numel] = summed.div_(self.copies * bias_correction)
             self.normalizer.reveal(q, None, step)
         if not count:
             return
         if self.accumulated is not None:
-            self._consensus_step(payload[:count].float().div_(self.world), mask, step, kept)
+            self._consensus_step(payload[:count].float().div_(self.copies), mask, step, kept)
             return
-        mean = self._outer_step(payload[:count].float().div_(self.world), mask)
+        mean = self._outer_step(payload[:count].float().div_(self.copies), mask)
         self._record_rate(mean, mask, step)
-        mean_momentum = payload[count:2 * count].float().div_(self.world) if revealed else None
+        mean_momentum = payload[count:2 * count].float().div_(self.copies) if revealed else None
         if self.revealed:  # q: the mean momentum now (after step t - 1), bias-corrected
             self.normalizer.reveal(mean_momentum / bias_correction, mask, step)
         elif self.consensus_momentum:
@@ -509,7 +532,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         if max_norm > 0:
             self.flat.grad.mul_(torch.clamp(max_norm / (self._local_norm + 1e-6), max=1.0))
         total = float(self._global_sq)
-        return math.sqrt(total / self.world) if math.isfinite(total) else total
+        return math.sqrt(total / self.copies) if math.isfinite(total) else total
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
@@ -524,8 +547,8 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         else:
             if step == 1:  # the only dense exchange of normalizer=shared: the clipped gradient,
                 # whose mean starts D and is every rank's step-1 gradient (a dense first step)
-                self.comm.all_reduce(self.flat.grad, kind="grad_allreduce")
-                self.normalizer.start(self.flat.grad.div_(self.world))
+                self.exchange_comm.all_reduce(self.flat.grad, kind="grad_allreduce")
+                self.normalizer.start(self.flat.grad.div_(self.copies))
                 if self.consensus_momentum:  # M starts at the mean gradient
                     self.optimizer.momentum.copy_(self.flat.grad)
             opt = self.optimizer
@@ -562,12 +585,12 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         all-reduce is of the momentum sums), which changes no state."""
         if self.accumulated is not None:
             mean_sum = self.accumulated.clone()
-            self.comm.all_reduce(mean_sum, kind="average")
+            self.exchange_comm.all_reduce(mean_sum, kind="average")
             # the exchange of step t + 1 covers the local steps up to t
-            return self._consensus_update(mean_sum.div_(self.world), None, self.step_count + 1)[0]
+            return self._consensus_update(mean_sum.div_(self.copies), None, self.step_count + 1)[0]
         drift = self.flat.data - self.consensus
-        self.comm.all_reduce(drift, kind="average")
-        return drift.div_(self.world).add_(self.consensus)
+        self.exchange_comm.all_reduce(drift, kind="average")
+        return drift.div_(self.copies).add_(self.consensus)
 
     @contextlib.contextmanager
     def evaluation_weights(self) -> Iterator[None]:

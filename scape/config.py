@@ -64,6 +64,10 @@ class OptimizerConfig(DenseOptimizerConfig):
     # per step), and never below the sparsity warm-up's
     density_lr_power: float = 0.0
     min_sparsity: float = 0.0
+    # ranks that train one copy together (a dense gradient all-reduce among them, as DDP): set
+    # to the GPUs per node and the sparse exchange runs between nodes only, among fewer copies
+    # (consecutive ranks form a copy; the exchange group is one rank of each copy)
+    ranks_per_copy: int = 1
     # shared / revealed: the bound on a local step's |(m / bc) / D|; 0 = 1 / sqrt(1 - b2), AdamS's
     # largest step (a small bound makes the local steps sign steps of size lr * bound)
     step_bound: float = 0.0

@@ -46,7 +46,8 @@ def as_dataclass(cfg) -> OptimizerConfig:
 
 # keys that only optimizer=sparse_avg reads (scape/averaging.py has the list the other way round)
 SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule", "normalizer", "exchange", "step_bound",
-                        "average_momentum", "local_momentum", "density_lr_power", "min_sparsity")
+                        "average_momentum", "local_momentum", "density_lr_power", "min_sparsity",
+                        "ranks_per_copy")
 LOCAL_MOMENTA = ("own", "consensus")
 MASK_RULES = ("drift", "deviation", "random", "cyclic")
 NORMALIZERS = ("local", "shared", "revealed", "oracle")
@@ -121,6 +122,10 @@ def validate_config(cfg: OptimizerConfig) -> None:
     if not (isinstance(floor, (int, float)) and 0.0 <= floor <= sparsity):
         raise ValueError(f"optimizer.min_sparsity={floor!r} must lie in [0, optimizer.sparsity={sparsity}]: "
                          f"it bounds the density that density_lr_power sets (0 = no bound)")
+    if not (isinstance(cfg.ranks_per_copy, int) and not isinstance(cfg.ranks_per_copy, bool)
+            and cfg.ranks_per_copy >= 1):
+        raise ValueError(f"optimizer.ranks_per_copy={cfg.ranks_per_copy!r} must be an integer >= 1 "
+                         f"(1 = a copy per rank; the GPUs per node = a copy per node)")
     if cfg.step_bound and cfg.normalizer == "local":
         raise ValueError(f"optimizer.step_bound={cfg.step_bound} bounds the steps over a shared denominator; "
                          f"it needs optimizer.normalizer=shared, revealed or oracle")

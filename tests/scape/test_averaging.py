@@ -42,10 +42,12 @@ def roundtrip(obj):
 
 
 def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_of, accum: int):
-    """The algorithm for ``world`` workers in one process, written directly with torch; ``lr_of``
-    the lr of each step (a number: constant).
+    """The algorithm for ``world`` ranks in one process, written directly with torch; ``lr_of``
+    the lr of each step (a number: constant). ``cfg.ranks_per_copy`` consecutive ranks train one
+    copy on the mean of their gradients; the world's partitions are scored by their owners.
 
-    Returns (x, [y_0, ..., y_{N-1}]) after every step (padded flat layout: matrices first).
+    Returns (x, [y_0, ..., y_{C-1}]) after every step, one y per copy (padded flat layout:
+    matrices first).
     """
     model = make_model()
     params = list(model.parameters())
@@ -60,35 +62,40 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
     u = torch.zeros_like(x)  # outer (Nesterov) momentum
     rate, last = torch.zeros_like(x), torch.ones_like(x)  # mask_rule=deviation
     order, position = torch.randperm(size, generator=torch.Generator().manual_seed(0)), 0  # cyclic
-    ys = [x.clone() for _ in range(world)]
-    ms = [torch.zeros_like(x) for _ in range(world)]
+    group = cfg.ranks_per_copy
+    copies = world // group
+    ys = [x.clone() for _ in range(copies)]
+    ms = [torch.zeros_like(x) for _ in range(copies)]
     shared = cfg.normalizer in ("shared", "revealed", "oracle")  # one denominator D from the mean momentum
     revealed = cfg.normalizer == "revealed"  # ... sent beside the drift, one sample per exchange
     oracle = cfg.normalizer == "oracle"  # ... of every coordinate, every step
     summed = cfg.exchange == "momentum"  # the consensus steps on the mean momentum sum over D
     frozen = cfg.local_momentum == "consensus"  # one momentum M for all ranks, re-estimated at exchanges
     bound = cfg.step_bound or (1 - b2) ** -0.5
-    sums = [torch.zeros_like(x) for _ in range(world)]
+    sums = [torch.zeros_like(x) for _ in range(copies)]
     second, lr_sum, last_sent, denom = torch.zeros_like(x), torch.zeros_like(x), torch.zeros_like(x), None
     mask, history = None, []
     for t in range(1, steps + 1):
         lr = lr_of(t) if callable(lr_of) else lr_of
         grads = []
-        for r in range(world):
-            flat.data.copy_(ys[r])
-            flat.grad.zero_()
-            for micro in range(accum):
-                (model(*batch(r, t, micro)) / accum).backward()
-            grads.append(flat.grad.clone())
+        for c in range(copies):  # a copy's gradient: the mean of its ranks'
+            members = []
+            for r in range(c * group, (c + 1) * group):
+                flat.data.copy_(ys[c])
+                flat.grad.zero_()
+                for micro in range(accum):
+                    (model(*batch(r, t, micro)) / accum).backward()
+                members.append(flat.grad.clone())
+            grads.append(sum(members) / group)
         if oracle and t > 1:  # every coordinate's mean momentum after step t - 1 is folded into D
-            q = sum(ms) / world / (1 - b1 ** (t - 1))
+            q = sum(ms) / copies / (1 - b1 ** (t - 1))
             second = b2 * second + (1 - b2) * q ** 2
             denom = (second / (1 - b2 ** t)).sqrt() + eps
             lr_sum[:], last_sent[:] = 0, t
         if t > 1:  # the exchange: average the drifts on the mask (everything while t <= W)
             sel = torch.arange(x.numel()) if t <= dense_until else mask
             if summed:
-                mean_sum = sum(a[sel] for a in sums) / world
+                mean_sum = sum(a[sel] for a in sums) / copies
                 q = mean_sum / lr_sum[sel]
                 w = b2 ** (t - last_sent[sel])
                 second[sel] = w * second[sel] + (1 - w) * q ** 2
@@ -97,7 +104,7 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
                 lr_sum[sel], last_sent[sel] = 0, t
                 for y, a in zip(ys, sums):
                     y[sel], a[sel] = x[sel], 0
-            delta = sum(y[sel] - x[sel] for y in ys) / world
+            delta = sum(y[sel] - x[sel] for y in ys) / copies
             if frozen:  # the mean step r = b1 M + (1 - b1) gbar, less the decay's share lr wd x
                 r = -(delta + torch.where(sel < decay_end, wd * x[sel] * lr_sum[sel], 0.0)) * denom[sel] / lr_sum[sel]
                 gbar = (r - b1 * ms[0][sel]) / (1 - b1)
@@ -111,7 +118,7 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
                 q = -delta * denom[sel] / lr_sum[sel]
                 w = b2 ** (t - last_sent[sel])
                 if revealed:
-                    q = sum(m[sel] for m in ms) / world / (1 - b1 ** (t - 1))
+                    q = sum(m[sel] for m in ms) / copies / (1 - b1 ** (t - 1))
                     w = b2 ** (t - last_sent[sel]).clamp(max=1 / (1 - b1))
                 second[sel] = w * second[sel] + (1 - w) * q ** 2
                 denom[sel] = (second[sel] / (1 - b2 ** t)).sqrt() + eps
@@ -123,7 +130,7 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
             for y in ys:
                 y[sel] = x[sel]
             if cfg.average_momentum:  # the momenta snap to their mean where the copies snap to x
-                mean_m = sum(m[sel] for m in ms) / world
+                mean_m = sum(m[sel] for m in ms) / copies
                 for m in ms:
                     m[sel] = mean_m
         c = 1 - b1 ** t
@@ -131,7 +138,7 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
             if max_norm > 0:
                 g *= torch.clamp(max_norm / (g.norm() + 1e-6), max=1.0)
         if shared and t == 1:  # the clipped mean gradient starts D and is everyone's gradient
-            mean_grad = sum(grads) / world
+            mean_grad = sum(grads) / copies
             second, last_sent[:] = (1 - b2) * mean_grad ** 2, 1
             denom = mean_grad.abs() + eps
             grads = [mean_grad.clone() for _ in grads]
@@ -171,7 +178,7 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
                 if cfg.mask_rule == "random":
                     scores.append(torch.rand(size, generator=torch.Generator().manual_seed(1_000_003 * (t + 1) + r)))
                     continue
-                score = sums[r] if summed else ys[r] - x
+                score = sums[r // group] if summed else ys[r // group] - x
                 if cfg.mask_rule == "deviation":
                     score = score - rate * (t + 1 - last)
                 scores.append(score[r * size:(r + 1) * size].abs())
@@ -215,8 +222,13 @@ def lr_for(cfg: OptimizerConfig):
     return decaying_lr if cfg.density_lr_power else cfg.lr
 
 
-def _equals_reference(rank: int, world: int) -> None:
-    for overrides in REFERENCE_CONFIGS:
+# a copy of 2 ranks on 4 ranks: 2 copies, each a node of 2 GPUs
+COPY_CONFIGS = [dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", ranks_per_copy=2, sparsity_warmup_steps=4),
+                dict(sparsity=0.9, ranks_per_copy=2, dense_warmup_steps=2)]
+
+
+def _equals_reference(rank: int, world: int, configs=REFERENCE_CONFIGS) -> None:
+    for overrides in configs:
         cfg = avg_config(**overrides)
         model = make_model()
         sync = SparseAverageSynchronizer(model, cfg)
@@ -228,7 +240,7 @@ def _equals_reference(rank: int, world: int) -> None:
         expected = reference(cfg, 8, world, max_norm=0.5, lr_of=lr_for(cfg), accum=2)
         for step, ((x, y), (ref_x, ref_ys)) in enumerate(zip(got, expected), start=1):
             torch.testing.assert_close(x, ref_x, rtol=0, atol=1e-6, msg=f"x step {step} {overrides}")
-            torch.testing.assert_close(y, ref_ys[rank], rtol=0, atol=1e-6,
+            torch.testing.assert_close(y, ref_ys[rank // cfg.ranks_per_copy], rtol=0, atol=1e-6,
                                        msg=f"y_{rank} step {step} {overrides}")
         assert not torch.equal(got[-1][1], got[-1][0])  # the copies do drift from the consensus
         power = cfg.density_lr_power
@@ -240,6 +252,31 @@ def _equals_reference(rank: int, world: int) -> None:
 
 def test_two_ranks_equal_the_single_process_arithmetic():
     run_distributed(_equals_reference, world_size=2)
+
+
+def _copies_of_two_ranks(rank: int, world: int) -> None:
+    _equals_reference(rank, world, COPY_CONFIGS)
+    cfg = avg_config(**COPY_CONFIGS[0])
+    model = make_model()
+    sync = SparseAverageSynchronizer(model, cfg)
+    counted = {}
+    train(model, sync, 6, rank, before_reduce=lambda step: sync.comm.counter.reset(),
+          after=lambda step: counted.__setitem__(step, dict(sync.comm.counter.bytes)))
+    # the ranks of a copy hold it bit for bit; the two copies differ
+    first, second, third, fourth = _gathered(sync.flat.data, world)
+    assert torch.equal(first, second) and torch.equal(third, fourth) and not torch.equal(first, third)
+    padded = sync.layout.padded_numel
+    k = sync.layout.k(1 - cfg.sparsity)  # per partition, of the world's 4
+    assert sync.copies == 2 and sync.mask_k == k
+    # dense inside the copy, and every exchange between the 2 copies only
+    assert counted[6] == {"copy_gradients": all_reduce_bytes(4 * padded, 2),
+                          "scape_values": all_reduce_bytes((world * k + 1) * 4, 2)}
+    assert counted[1]["grad_allreduce"] == all_reduce_bytes(4 * padded, 2)
+
+
+def test_a_copy_of_two_ranks_equals_the_arithmetic_and_exchanges_between_copies_only():
+    """4 ranks: 2 copies of 2 ranks (the smallest case with both a copy and an exchange)."""
+    run_distributed(_copies_of_two_ranks, world_size=4)
 
 
 CONSISTENCY_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.99, value_dtype="bf16", mask_transport="indices"),
@@ -416,7 +453,9 @@ RESUME_CONFIGS = [(dict(sparsity=0.9), 4),
                   (dict(sparsity=0.95, mask_rule="cyclic", normalizer="shared", density_lr_power=-1,
                         min_sparsity=0.7, value_dtype="bf16"), 5),
                   (dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", density_lr_power=1,
-                        value_dtype="bf16"), 3)]
+                        value_dtype="bf16"), 3),
+                  # one copy of both ranks: the exchange group is a single rank
+                  (dict(sparsity=0.9, mask_rule="cyclic", normalizer="shared", ranks_per_copy=2), 3)]
 
 
 def _resume(rank: int, world: int) -> None:
@@ -592,6 +631,12 @@ def test_settings_are_checked_and_the_builders_dispatch():
         SparseAverageSynchronizer(make_model(), avg_config(density_lr_power=-1, min_sparsity=0.95))
     with pytest.raises(ValueError, match="optimizer.density_lr_power=-1 is a sparse_avg option"):
         scape.build_synchronizer(make_model(), avg_config(name="scape", density_lr_power=-1))
+    with pytest.raises(ValueError, match="optimizer.ranks_per_copy=0 must be an integer >= 1"):
+        SparseAverageSynchronizer(make_model(), avg_config(ranks_per_copy=0))
+    with pytest.raises(ValueError, match=r"optimizer.ranks_per_copy=2 must divide the number of ranks \(1\)"):
+        SparseAverageSynchronizer(make_model(), avg_config(ranks_per_copy=2))
+    with pytest.raises(ValueError, match="optimizer.ranks_per_copy=2 is a sparse_avg option"):
+        scape.build_synchronizer(make_model(), avg_config(name="scape", ranks_per_copy=2))
     summed = SparseAverageSynchronizer(make_model(), avg_config(exchange="momentum"))
     train(summed.model, summed, 2, 0)
     with pytest.raises(ValueError, match="written with optimizer.exchange=momentum"):
