@@ -677,3 +677,14 @@ def test_train_py_two_processes_with_sparse_avg(tmp_path, prepared_cache):
     assert all(straight[s] == split[s] for s in straight), (straight, split)
     final = json.loads((tmp_path / "split" / "summary.json").read_text())["final_val_loss"]
     assert final == summary["final_val_loss"]
+
+
+def test_train_py_with_a_copy_of_two_ranks(tmp_path, prepared_cache):
+    """Both ranks train one copy through the trainer: the gradients are averaged inside it and
+    the exchange group is one rank, so nothing is sent between copies."""
+    check(train_cli([*TINY, f"out_dir={tmp_path}", f"data.cache_dir={prepared_cache}", "optimizer=sparse_avg",
+                     "optimizer.ranks_per_copy=2", "train.steps=4", "train.eval_every=4", "run_name=copy"],
+                    nproc=2))
+    steps = {r["step"]: r for r in read_metrics(tmp_path / "copy") if "train/loss" in r}
+    assert steps[4]["comm/bytes_copy_gradients"] > 0 and steps[4]["comm/bytes_scape_values"] == 0
+    assert math.isfinite(json.loads((tmp_path / "copy" / "summary.json").read_text())["final_val_loss"])
