@@ -3,6 +3,7 @@
     sudo python scripts/bench_network.py                            # 1 Gbit/s and 100 Mbit/s
     sudo python scripts/bench_network.py --rates 1gbit --steps 8 --out runs/net.json
     sudo python scripts/bench_network.py --rates 1gbit --time-to-loss 40 --step-cap 160
+    sudo python scripts/bench_network.py --rates 1gbit --ranks-per-host 2 --arms adams,sma99,sma99_copy_per_host
 
 The dense baseline is the one users run: AdamS with its gradient all-reduce overlapped with
 backward (``optimizer.grad_sync=ddp``, arm ``adams``); ``adams_after_backward`` is the
@@ -18,9 +19,11 @@ its validation loss (every ``--eval-every`` steps) reaches the target or C steps
 reports, per arm, the steps, training wall-clock (the sum of the steps' times, validation not
 included) and bytes sent per rank to reach the target.
 
-Two ranks of train.py live in two network namespaces joined by a veth pair whose both ends are
-shaped with a ``tc`` token bucket (egress of each end, so each direction gets the rate), and gloo
-talks over that link only (MASTER_ADDR / GLOO_SOCKET_IFNAME inside the namespaces). So the
+Two ranks of train.py (2G with ``--ranks-per-host G``) live in two network namespaces joined by
+a veth pair whose both ends are shaped with a ``tc`` token bucket (egress of each end, so each
+direction gets the rate), and gloo talks between the namespaces over that link only
+(MASTER_ADDR / GLOO_SOCKET_IFNAME inside the namespaces; the ranks of one namespace reach each
+other over its loopback route, unshaped, as the GPUs of a node would over NVLink). So the
 numbers include everything the real trainer does per step — forward, backward, SCAPE's top-k and
 packing, the collectives over a real TCP stack at the given rate — and the speed-up is the one a
 user would see on that network with these CPUs.
@@ -62,6 +65,10 @@ ARMS: Dict[str, List[str]] = {
     "scape99": ["optimizer=scape", "optimizer.sparsity=0.99"],
     "scape90_threshold": ["optimizer=scape", "optimizer.sparsity=0.9", "optimizer.topk_method=threshold"],
     "scape99_no_overlap": ["optimizer=scape", "optimizer.sparsity=0.99", "optimizer.overlap_backward=false"],
+    "sma99": ["optimizer=sparse_avg", "optimizer.sparsity=0.99"],
+    # the ranks of a host train one copy (dense over the host's loopback), sparse between hosts
+    "sma99_copy_per_host": ["optimizer=sparse_avg", "optimizer.sparsity=0.99",
+                            "optimizer.ranks_per_copy={ranks_per_host}"],
 }
 DENSE_ARMS = ("adams", "adams_after_backward")
 
@@ -90,7 +97,8 @@ def model_overrides(args: argparse.Namespace) -> List[str]:
         f"model.seq_len={args.seq_len}", f"model.vocab_size={VOCAB}",
         "data=embedded", "data.embedded_docstrings=false", "data.name=bench_network",
         f"data.cache_dir={args.cache_dir}", f"tokenizer.vocab_size={VOCAB}",
-        f"train.steps={args.steps}", f"train.global_batch_tokens={2 * args.seq_len}", "train.micro_batch_size=1",
+        f"train.steps={args.steps}", f"train.global_batch_tokens={2 * args.ranks_per_host * args.seq_len}",
+        "train.micro_batch_size=1",
         "train.log_every=1", f"train.eval_every={args.eval_every}", f"train.eval_batches={args.eval_batches}",
         "train.ckpt_every=0",
         "train.keep_last=1", f"optimizer.warmup_steps={args.lr_warmup}", "logger=console",
@@ -224,18 +232,23 @@ def totals_to(records: List[dict], step: int) -> Dict[str, float]:
 
 def run_arm(link: LinkedNamespaces, arm: str, args: argparse.Namespace, run_root: Path, label: str,
             extra: Sequence[str] = (), stop_at: Optional[float] = None) -> dict:
-    """One two-rank training run across the link; returns the per-step timing medians.
+    """One training run of ``--ranks-per-host`` ranks on each side of the link; returns the
+    per-step timing medians. Ranks on the same side talk over that namespace's loopback route
+    (the veth address is local there), so only traffic between the sides is shaped.
 
     ``stop_at``: a validation loss; once rank 0 logs one at or below it the ranks are asked to
     stop (SIGTERM: a clean stop at the next step boundary).
     """
     run_name = f"{label}-{arm}"
-    overrides = [*model_overrides(args), *arm_overrides(arm), *extra, f"out_dir={run_root}",
-                 f"run_name={run_name}"]
+    overrides = [*model_overrides(args), *(o.format(ranks_per_host=args.ranks_per_host) for o in arm_overrides(arm)),
+                 *extra, f"out_dir={run_root}", f"run_name={run_name}"]
     port = str(29500 + (os.getpid() % 400))
     procs, logs = [], []
-    for rank, side in enumerate("ab"):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR=ADDRESS["a"],
+    per_host = args.ranks_per_host
+    for rank in range(2 * per_host):
+        side = "ab"[rank // per_host]
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank % per_host), WORLD_SIZE=str(2 * per_host),
+                   LOCAL_WORLD_SIZE=str(per_host), MASTER_ADDR=ADDRESS["a"],
                    MASTER_PORT=port, GLOO_SOCKET_IFNAME=link.dev[side], OMP_NUM_THREADS="1",
                    WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
         proc = subprocess.Popen(["ip", "netns", "exec", link.ns[side], sys.executable, str(REPO / "train.py"),
@@ -264,7 +277,7 @@ def run_arm(link: LinkedNamespaces, arm: str, args: argparse.Namespace, run_root
                 proc.wait()
     if any(p.returncode != 0 for p in procs):
         raise RuntimeError(f"{run_name}: exit codes {[p.returncode for p in procs]}; rank 0 said:\n"
-                           + "".join(logs[0][-30:]) + "\nrank 1 said:\n" + "".join(logs[1][-15:]))
+                           + "".join(logs[0][-30:]) + "\nthe last rank said:\n" + "".join(logs[-1][-15:]))
     records = _records(metrics_path)
     timed = [r for r in records if "perf/step_time_s" in r and r["step"] > args.warmup]
     if not timed:
@@ -276,7 +289,12 @@ def run_arm(link: LinkedNamespaces, arm: str, args: argparse.Namespace, run_root
     summary = json.loads((run_root / run_name / "summary.json").read_text())
     return {"parameters": summary.get("parameters"), "step_time_s": median("perf/step_time_s"), "fwd_bwd_s": median("perf/time_fwd_bwd_s"),
             "comm_s": median("perf/time_comm_s"), "opt_s": median("perf/time_opt_s"),
-            "bytes_per_step": median("comm/bytes_total"), "steps_timed": len(timed),
+            "bytes_per_step": median("comm/bytes_total"),
+            # copy_gradients stays inside a host (sma99_copy_per_host); every other kind crosses the link
+            "bytes_per_step_by_kind": {key[len("comm/bytes_"):]: median(key) for key in sorted(timed[-1])
+                                       if key.startswith("comm/bytes_") and key[len("comm/bytes_"):] not in
+                                       ("total", "cumulative")},
+            "steps_timed": len(timed),
             "step_times_s": [round(float(r["perf/step_time_s"]), 4) for r in timed], "records": records}
 
 
@@ -310,6 +328,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-head", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per rank and step")
+    parser.add_argument("--ranks-per-host", type=int, default=1,
+                        help="ranks in each of the two namespaces (a host of that many GPUs)")
     parser.add_argument("--cache-dir", default=str(REPO / "cache" / "data"))
     parser.add_argument("--timeout", type=int, default=900, help="seconds per run")
     parser.add_argument("--time-to-loss", type=int, default=0, metavar="S",
@@ -338,6 +358,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         if args.reference not in ARMS:
             parser.error(f"unknown --reference {args.reference!r}; choose from {', '.join(ARMS)}")
         args.steps = args.step_cap
+    if args.ranks_per_host < 1:
+        parser.error("--ranks-per-host must be at least 1")
+    if "sma99_copy_per_host" in args.arms.split(",") and args.ranks_per_host < 2:
+        parser.error("arm sma99_copy_per_host needs --ranks-per-host 2 or more (one rank per host is arm sma99)")
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
     return args
@@ -440,7 +464,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "backend": "gloo over a veth pair shaped by tc (tbf)",
                     "load_avg_1min_start_end": [round(load_start[0], 2), round(os.getloadavg()[0], 2)]},
         "model": {"d_model": args.d_model, "n_layer": args.n_layer, "seq_len": args.seq_len,
-                  "tokens_per_rank_per_step": args.seq_len, "ranks": 2, "delay_ms": args.delay_ms},
+                  "tokens_per_rank_per_step": args.seq_len, "ranks": 2 * args.ranks_per_host,
+                  "ranks_per_host": args.ranks_per_host, "delay_ms": args.delay_ms},
         "rates": results,
     }
     sys.path.insert(0, str(REPO))

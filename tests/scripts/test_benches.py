@@ -111,6 +111,16 @@ def test_time_to_loss_arguments_are_checked():
         bench_network.parse_args(["--arms", "sgd"])
 
 
+def test_ranks_per_host_sizes_the_batch_and_the_copy_per_host_arm_needs_two():
+    args = bench_network.parse_args(["--ranks-per-host", "2", "--arms", "adams,sma99_copy_per_host"])
+    assert "train.global_batch_tokens=256" in bench_network.model_overrides(args)  # 4 ranks x 64 tokens
+    assert "optimizer.ranks_per_copy={ranks_per_host}" in bench_network.arm_overrides("sma99_copy_per_host")
+    with pytest.raises(SystemExit):
+        bench_network.parse_args(["--arms", "sma99_copy_per_host"])
+    with pytest.raises(SystemExit):
+        bench_network.parse_args(["--ranks-per-host", "0"])
+
+
 def test_bench_optimizer_compares_both_topk_methods(tmp_path, monkeypatch):
     out = tmp_path / "bench.json"
     monkeypatch.setattr(sys, "argv", ["bench_optimizer.py", "--numel", "300000", "--repeats", "1",
