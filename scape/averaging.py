@@ -21,6 +21,9 @@ One step t, in the loop's order
                       d_i[M_t] (k values per partition, in flat order) plus one float, this rank's
                       squared local gradient norm; ONE all-reduce (kind scape_values);
                       x[M_t] += mean_i d_i[M_t];  y_i[M_t] = x[M_t]  (d_i = 0 there).
+                      value_bits: the drifts travel as b-bit codes with a scale per 64 values
+                      instead, every rank's all-gathered (still ONE collective, kind
+                      scape_values), and y_i[M_t] = x[M_t] + what its own codes left out.
                       average_momentum: the payload also holds m_i[M_t] and every rank's
                       momentum becomes their mean there; normalizer=oracle: one more, dense
                       all-reduce of the momenta (kind oracle) feeds D everywhere (a decomposition
@@ -83,12 +86,13 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 
 from core.checkpoint import repad
-from core.comm import Collectives, all_reduce_bytes, new_groups
+from core.comm import Collectives, all_gather_bytes, all_reduce_bytes, new_groups
 from scape import kernels
 from scape.accounting import VALUE_BYTES, scape_step_bytes
 from scape.config import OptimizerConfig
 from scape.masking import MaskedSynchronizer
 from scape.options import as_dataclass, refuse_foreign_keys, validate_config
+from scape.quantize import dequantize, packed_nbytes, quantize
 
 NAME = "sparse_avg"
 # SCAPE keys that have no meaning here: a non-default value is an error, not silently ignored.
@@ -104,15 +108,21 @@ def validate_sparse_avg(cfg: OptimizerConfig) -> None:
 
 def sparse_avg_step_bytes(numel: int, world: int, sparsity: float, mask_transport: str = "auto",
                           value_dtype: str = "fp32", mask_rule: str = "drift",
-                          normalizer: str = "local", average_momentum: bool = False) -> Dict[str, float]:
+                          normalizer: str = "local", average_momentum: bool = False,
+                          value_bits: int = 0) -> Dict[str, float]:
     """Bytes per rank of a sparse step: SCAPE's formula plus the one norm value in the payload
     (and no mask with ``mask_rule=cyclic``, which every rank computes alike); with
     ``normalizer=revealed`` or ``average_momentum`` the momenta travel beside the drifts (twice
-    the values); ``normalizer=oracle`` adds a dense fp32 all-reduce of the momenta (``oracle``)."""
+    the values); ``normalizer=oracle`` adds a dense fp32 all-reduce of the momenta (``oracle``);
+    ``value_bits`` all-gathers the packed codes, their scales and the fp32 norm instead."""
     out = dict(scape_step_bytes(numel, world, sparsity, mask_transport, value_dtype))
-    if normalizer == "revealed" or average_momentum:
-        out["values"] *= 2
-    out["values"] += all_reduce_bytes(VALUE_BYTES[value_dtype], world)
+    if value_bits:
+        count = world * out["k"]
+        out["values"] = all_gather_bytes(packed_nbytes(count, value_bits, VALUE_BYTES[value_dtype]) + 4, world)
+    else:
+        if normalizer == "revealed" or average_momentum:
+            out["values"] *= 2
+        out["values"] += all_reduce_bytes(VALUE_BYTES[value_dtype], world)
     if mask_rule == "cyclic":
         out["mask"], out["transport"] = 0, "none"
     out["oracle"] = all_reduce_bytes(4 * numel, world) if normalizer == "oracle" else 0
@@ -306,6 +316,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
                                           ).to(self.device) if self.mask_rule == "cyclic" else None
         self.cycle_position = 0
         self.value_dtype = torch.bfloat16 if cfg.value_dtype == "bf16" else torch.float32
+        self.value_bits = int(cfg.value_bits)  # 0: value_dtype values; else codes (value_dtype scales)
         momentum_exchange = cfg.exchange == "momentum"
         self.revealed = cfg.normalizer == "revealed"
         self.oracle = cfg.normalizer == "oracle"
@@ -346,21 +357,27 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             count = mask.numel()
         # normalizer=revealed / average_momentum: the momenta, after the drifts
         revealed = count if self.revealed or self.average_momentum else 0
-        payload = torch.empty(count + revealed + 1, dtype=self.value_dtype, device=self.device)
-        kept = None  # bf16 payload: the rounding error of what was sent, kept in y_i
+        kept = None  # bf16 or quantized payload: what the sent values do not say, kept in y_i
+        sent = None
         if count:
             if self.accumulated is not None:
                 sent = _take(self.accumulated, mask)
             else:
                 sent = y - x if mask is None else y.index_select(0, mask) - x.index_select(0, mask)
-            payload[:count].copy_(sent)
-            if self.value_dtype != torch.float32:
-                kept = sent.sub_(payload[:count].float())
-            if revealed:
-                payload[count:2 * count].copy_(_take(self.optimizer.momentum, mask))
-        payload[-1] = self._local_norm.square()
-        self.exchange_comm.all_reduce(payload, kind="scape_values")
-        self._global_sq = payload[-1].float()
+        if self.value_bits:
+            mean, kept = self._gather_quantized(sent, count)
+        else:
+            payload = torch.empty(count + revealed + 1, dtype=self.value_dtype, device=self.device)
+            if count:
+                payload[:count].copy_(sent)
+                if self.value_dtype != torch.float32:
+                    kept = sent.sub_(payload[:count].float())
+                if revealed:
+                    payload[count:2 * count].copy_(_take(self.optimizer.momentum, mask))
+            payload[-1] = self._local_norm.square()
+            self.exchange_comm.all_reduce(payload, kind="scape_values")
+            self._global_sq = payload[-1].float()
+            mean = payload[:count].float().div_(self.copies)
         self._sent = count
         bias_correction = 1.0 - self.optimizer.beta1 ** (step - 1)
         if self.oracle and step > 1:  # every coordinate's mean momentum (after step t - 1) into D
@@ -373,11 +390,11 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         if not count:
             return
         if self.accumulated is not None:
-            self._consensus_step(payload[:count].float().div_(self.copies), mask, step, kept)
+            self._consensus_step(mean, mask, step, kept)
             return
-        mean = self._outer_step(payload[:count].float().div_(self.copies), mask)
-        self._record_rate(mean, mask, step)
         mean_momentum = payload[count:2 * count].float().div_(self.copies) if revealed else None
+        mean = self._outer_step(mean, mask)
+        self._record_rate(mean, mask, step)
         if self.revealed:  # q: the mean momentum now (after step t - 1), bias-corrected
             self.normalizer.reveal(mean_momentum / bias_correction, mask, step)
         elif self.consensus_momentum:
@@ -406,6 +423,36 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             x.index_add_(0, mask, mean)
             snapped = x.index_select(0, mask)
             kernels.scatter(y, mask, snapped if kept is None else snapped.add_(kept))
+
+    def _gather_quantized(self, sent: Optional[torch.Tensor], count: int):
+        """value_bits: (the mean of the copies' quantized drifts, what this copy's codes left out).
+
+        ONE all-gather (kind scape_values) of every rank's packed codes and block scales
+        (``scape.quantize``) with its squared local gradient norm in fp32 behind them; every rank
+        reads all of them back and sums them in rank order, so the mean is the same bits everywhere.
+        """
+        bits, scale_dtype = self.value_bits, self.value_dtype
+        norm = self._local_norm.square().float().reshape(1).view(torch.uint8)
+        if count:
+            packed, scale = quantize(sent, bits, scale_dtype)
+            local = torch.cat([packed, scale.view(torch.uint8), norm])
+        else:
+            local = norm
+        gathered = torch.empty(self.copies * local.numel(), dtype=torch.uint8, device=self.device)
+        self.exchange_comm.all_gather_into_tensor(gathered, local, kind="scape_values")
+        gathered = gathered.view(self.copies, local.numel())
+        self._global_sq = gathered[:, -4:].contiguous().view(torch.float32).sum()
+        if not count:
+            return None, None
+        codes, scales = packed.numel(), scale.numel() * scale.element_size()
+        total = torch.zeros(count, dtype=torch.float32, device=self.device)
+        own = self.exchange_comm.rank()
+        for copy, row in enumerate(gathered):
+            values = dequantize(row[:codes], row[codes:codes + scales].view(scale_dtype), bits, count)
+            total.add_(values)
+            if copy == own:
+                sent.sub_(values)
+        return total.div_(self.copies), sent
 
     def _consensus_momentum(self, mean_drift: torch.Tensor, mask: Optional[torch.Tensor], step: int) -> torch.Tensor:
         """local_momentum=consensus: the new M on the exchanged coordinates (before D folds them in).

@@ -76,3 +76,10 @@ class OptimizerConfig(DenseOptimizerConfig):
     # on which the consensus takes its own step over one shared denominator (the copies only
     # say where the gradients are taken)
     exchange: str = "drift"
+    # 0: the drifts travel in value_dtype through the all-reduce; 1, 2 or 4: each rank sends its
+    # drifts on the mask as that many bits per value (uniform codes, one value_dtype scale per 64
+    # values; scape/quantize.py), the ranks all-gather the codes and average what they stand for,
+    # and each copy keeps what its codes did not say (error feedback). An all-gather sends
+    # (N - 1) / 2 times the bytes of an all-reduce of the same payload: on 4 ranks equal bytes
+    # buy about 2x (4 bits) to 6x (1 bit) as many coordinates per step as bf16 values
+    value_bits: int = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 from scape.config import OptimizerConfig
+from scape.quantize import BITS as QUANTIZED_BITS
 from scape.topk import TOPK_METHODS
 from scape.transport import TRANSPORTS
 
@@ -47,7 +48,7 @@ def as_dataclass(cfg) -> OptimizerConfig:
 # keys that only optimizer=sparse_avg reads (scape/averaging.py has the list the other way round)
 SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule", "normalizer", "exchange", "step_bound",
                         "average_momentum", "local_momentum", "density_lr_power", "min_sparsity",
-                        "ranks_per_copy")
+                        "ranks_per_copy", "value_bits")
 LOCAL_MOMENTA = ("own", "consensus")
 MASK_RULES = ("drift", "deviation", "random", "cyclic")
 NORMALIZERS = ("local", "shared", "revealed", "oracle")
@@ -126,6 +127,11 @@ def validate_config(cfg: OptimizerConfig) -> None:
             and cfg.ranks_per_copy >= 1):
         raise ValueError(f"optimizer.ranks_per_copy={cfg.ranks_per_copy!r} must be an integer >= 1 "
                          f"(1 = a copy per rank; the GPUs per node = a copy per node)")
+    _choice("value_bits", cfg.value_bits, (0, *QUANTIZED_BITS))
+    if cfg.value_bits and (cfg.normalizer in ("revealed", "oracle") or cfg.average_momentum
+                           or cfg.exchange != "drift"):
+        raise ValueError(f"optimizer.value_bits={cfg.value_bits} quantizes the drifts only; it needs "
+                         f"optimizer.normalizer=local or shared, average_momentum=false and exchange=drift")
     if cfg.step_bound and cfg.normalizer == "local":
         raise ValueError(f"optimizer.step_bound={cfg.step_bound} bounds the steps over a shared denominator; "
                          f"it needs optimizer.normalizer=shared, revealed or oracle")

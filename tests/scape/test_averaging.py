@@ -41,6 +41,18 @@ def roundtrip(obj):
     return torch.load(buffer, weights_only=True)
 
 
+def quantized(values: torch.Tensor, bits: int, scale_dtype: str) -> torch.Tensor:
+    """What b-bit codes say about ``values``: per 64 values a step of (Max's constant) x RMS,
+    rounded to the scale's dtype; v -> (clamp(floor(v / step) + 2^(b-1), 0, 2^b - 1) - 2^(b-1) + 1/2) step."""
+    blocks = torch.nn.functional.pad(values, (0, (-values.numel()) % 64)).view(-1, 64)
+    rms = blocks.square().mean(dim=1).sqrt()
+    dtype = torch.bfloat16 if scale_dtype == "bf16" else torch.float32
+    step = (rms * {1: 1.596, 2: 0.9957, 4: 0.3352}[bits]).to(dtype).float()[:, None]
+    half = 2 ** (bits - 1)
+    codes = (torch.floor(blocks / torch.where(step > 0, step, 1.0)) + half).clamp(0, 2 * half - 1)
+    return ((codes - half + 0.5) * step).reshape(-1)[:values.numel()]
+
+
 def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_of, accum: int):
     """The algorithm for ``world`` ranks in one process, written directly with torch; ``lr_of``
     the lr of each step (a number: constant). ``cfg.ranks_per_copy`` consecutive ranks train one
@@ -104,7 +116,12 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
                 lr_sum[sel], last_sent[sel] = 0, t
                 for y, a in zip(ys, sums):
                     y[sel], a[sel] = x[sel], 0
-            delta = sum(y[sel] - x[sel] for y in ys) / copies
+            drifts = [y[sel] - x[sel] for y in ys]
+            if cfg.value_bits:  # each copy sends its drift as codes and keeps what they leave out
+                sent = [quantized(d, cfg.value_bits, cfg.value_dtype) for d in drifts]
+                kept = [d - q for d, q in zip(drifts, sent)]
+                drifts = sent
+            delta = sum(drifts) / copies
             if frozen:  # the mean step r = b1 M + (1 - b1) gbar, less the decay's share lr wd x
                 r = -(delta + torch.where(sel < decay_end, wd * x[sel] * lr_sum[sel], 0.0)) * denom[sel] / lr_sum[sel]
                 gbar = (r - b1 * ms[0][sel]) / (1 - b1)
@@ -127,8 +144,8 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
                     new_m = torch.maximum(torch.minimum(new_m, bound * denom[sel]), -bound * denom[sel])
                     for m in ms:
                         m[sel] = new_m
-            for y in ys:
-                y[sel] = x[sel]
+            for c, y in enumerate(ys):
+                y[sel] = x[sel] + kept[c] if cfg.value_bits else x[sel]
             if cfg.average_momentum:  # the momenta snap to their mean where the copies snap to x
                 mean_m = sum(m[sel] for m in ms) / copies
                 for m in ms:
@@ -210,7 +227,10 @@ REFERENCE_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.8, dense_warmup_steps=3
                      dict(sparsity=0.95, mask_rule="cyclic", normalizer="shared", density_lr_power=-1,
                           min_sparsity=0.8, sparsity_warmup_steps=3),
                      dict(sparsity=0.95, density_lr_power=-1),
-                     dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", density_lr_power=1)]
+                     dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", density_lr_power=1),
+                     dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", value_bits=2, sparsity_warmup_steps=4),
+                     dict(sparsity=0.8, value_bits=1, dense_warmup_steps=3),
+                     dict(sparsity=0.5, mask_rule="cyclic", normalizer="shared", value_bits=4, value_dtype="bf16")]
 
 
 def decaying_lr(step: int) -> float:

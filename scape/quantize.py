@@ -1,0 +1,56 @@
+"""Block quantization of the drifts sparse averaging sends (``optimizer.value_bits``).
+
+Every ``BLOCK`` consecutive values share one scale: the step of a uniform mid-rise quantizer,
+``STEP_PER_RMS[bits]`` times the block's root mean square, the step with the least squared error
+on a Gaussian of that RMS (Max, "Quantizing for minimum distortion", 1960). A value v becomes the
+code c = clamp(floor(v / step) + 2^(b-1), 0, 2^b - 1) and is read back as
+(c - 2^(b-1) + 1/2) step: at 1 bit the sign times the mean absolute value of a Gaussian. A block
+of zeros has step 0 and reads back as zeros. The codes are packed 8 / b to a byte.
+
+The caller keeps what the codes do not say (v minus its read-back value) in its copy, as it
+keeps bf16's rounding: error feedback, so no drift is lost, only delayed.
+"""
+from __future__ import annotations
+
+import math
+from typing import Tuple
+
+import torch
+
+BLOCK = 64
+STEP_PER_RMS = {1: 1.596, 2: 0.9957, 4: 0.3352}
+BITS = tuple(STEP_PER_RMS)
+
+
+def packed_nbytes(count: int, bits: int, scale_bytes: int) -> int:
+    """Bytes of ``count`` values at ``bits`` each: the packed codes, then one scale per block."""
+    return math.ceil(count * bits / 8) + math.ceil(count / BLOCK) * scale_bytes
+
+
+def _shifts(bits: int, device) -> torch.Tensor:
+    return torch.arange(0, 8, bits, dtype=torch.uint8, device=device)
+
+
+def quantize(values: torch.Tensor, bits: int, scale_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(packed codes as uint8, one scale per block in ``scale_dtype``) of a 1-D fp32 tensor."""
+    count = values.numel()
+    blocks = torch.zeros(math.ceil(count / BLOCK) * BLOCK, dtype=torch.float32, device=values.device)
+    blocks[:count] = values
+    blocks = blocks.view(-1, BLOCK)
+    # the scale is rounded to what travels first, so that both ends read the same step
+    scale = blocks.square().mean(dim=1).sqrt_().mul_(STEP_PER_RMS[bits]).to(scale_dtype)
+    step = scale.float()[:, None]
+    half = 2 ** (bits - 1)
+    codes = torch.floor(blocks / torch.where(step > 0, step, 1.0)).add_(half).clamp_(0, 2 ** bits - 1)
+    per_byte = 8 // bits
+    codes = codes.reshape(-1)[:math.ceil(count / per_byte) * per_byte].to(torch.uint8).view(-1, per_byte)
+    packed = (codes << _shifts(bits, values.device)).sum(dim=1, dtype=torch.uint8)
+    return packed, scale
+
+
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """The fp32 values that ``quantize``'s codes and scales stand for (``count`` of them)."""
+    codes = (packed[:, None] >> _shifts(bits, packed.device)) & (2 ** bits - 1)
+    codes = codes.reshape(-1)[:count].float()
+    step = scale.float().repeat_interleave(BLOCK)[:count]
+    return codes.sub_(2 ** (bits - 1) - 0.5).mul_(step)
