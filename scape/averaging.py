@@ -441,14 +441,15 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         gathered = torch.empty(self.copies * local.numel(), dtype=torch.uint8, device=self.device)
         self.exchange_comm.all_gather_into_tensor(gathered, local, kind="scape_values")
         gathered = gathered.view(self.copies, local.numel())
-        self._global_sq = gathered[:, -4:].contiguous().view(torch.float32).sum()
+        # (copies of the slices: a view as a wider dtype needs an aligned offset)
+        self._global_sq = gathered[:, -4:].clone().view(torch.float32).sum()
         if not count:
             return None, None
         codes, scales = packed.numel(), scale.numel() * scale.element_size()
         total = torch.zeros(count, dtype=torch.float32, device=self.device)
         own = self.exchange_comm.rank()
         for copy, row in enumerate(gathered):
-            values = dequantize(row[:codes], row[codes:codes + scales].view(scale_dtype), bits, count)
+            values = dequantize(row[:codes], row[codes:codes + scales].clone().view(scale_dtype), bits, count)
             total.add_(values)
             if copy == own:
                 sent.sub_(values)
