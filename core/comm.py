@@ -7,8 +7,9 @@ byte counts by kind are complete by construction.
 Bytes are "bytes sent per rank" under the bandwidth-optimal ring algorithms (the convention of
 nccl-tests' bus bandwidth): an all-reduce of S bytes over N ranks sends 2 (N - 1) / N * S, an
 all-gather whose local part is S bytes sends (N - 1) * S, a reduce-scatter of S bytes sends
-(N - 1) / N * S (the first half of the ring all-reduce), a broadcast of S bytes sends S (pipelined
-chain). A group of one rank sends nothing.
+(N - 1) / N * S (the first half of the ring all-reduce), an all-to-all of an input of S bytes sends
+(N - 1) / N * S (every slice but its own), a broadcast of S bytes sends S (pipelined chain). A group
+of one rank sends nothing.
 """
 from __future__ import annotations
 
@@ -45,6 +46,11 @@ def all_gather_bytes(local_nbytes: int, world: int) -> float:
 
 def reduce_scatter_bytes(nbytes: int, world: int) -> float:
     """Bytes one rank sends in a ring reduce-scatter of an input of ``nbytes``."""
+    return 0.0 if world <= 1 else (world - 1) / world * nbytes
+
+
+def all_to_all_bytes(nbytes: int, world: int) -> float:
+    """Bytes one rank sends in an all-to-all of an input of ``nbytes`` (equal slices)."""
     return 0.0 if world <= 1 else (world - 1) / world * nbytes
 
 
@@ -158,3 +164,14 @@ class Collectives:
             self.counter.add(kind, float(tensor.numel() * tensor.element_size()))
         return _guarded("broadcast", kind, group, lambda: dist.broadcast(tensor, src=src, group=group,
                                                                            async_op=async_op))
+
+    def all_to_all_single(self, output: torch.Tensor, tensor: torch.Tensor, kind: str, group=None):
+        """``dist.all_to_all_single`` (equal slices) counted under ``kind``: rank r receives every
+        rank's r-th slice of ``tensor``, in rank order; a copy outside a process group."""
+        group = self.group if group is None else group
+        world = _group_size(group)
+        self.counter.add(kind, all_to_all_bytes(tensor.numel() * tensor.element_size(), world))
+        if world <= 1:
+            output.copy_(tensor.reshape(output.shape))
+            return None
+        return _guarded("all_to_all", kind, group, lambda: dist.all_to_all_single(output, tensor, group=group))

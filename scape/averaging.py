@@ -86,7 +86,7 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 
 from core.checkpoint import repad
-from core.comm import Collectives, all_gather_bytes, all_reduce_bytes, new_groups
+from core.comm import Collectives, all_gather_bytes, all_reduce_bytes, all_to_all_bytes, new_groups
 from scape import kernels
 from scape.accounting import VALUE_BYTES, scape_step_bytes
 from scape.config import OptimizerConfig
@@ -109,16 +109,22 @@ def validate_sparse_avg(cfg: OptimizerConfig) -> None:
 def sparse_avg_step_bytes(numel: int, world: int, sparsity: float, mask_transport: str = "auto",
                           value_dtype: str = "fp32", mask_rule: str = "drift",
                           normalizer: str = "local", average_momentum: bool = False,
-                          value_bits: int = 0) -> Dict[str, float]:
+                          value_bits: int = 0, quantized_collective: str = "all_gather") -> Dict[str, float]:
     """Bytes per rank of a sparse step: SCAPE's formula plus the one norm value in the payload
     (and no mask with ``mask_rule=cyclic``, which every rank computes alike); with
     ``normalizer=revealed`` or ``average_momentum`` the momenta travel beside the drifts (twice
     the values); ``normalizer=oracle`` adds a dense fp32 all-reduce of the momenta (``oracle``);
-    ``value_bits`` all-gathers the packed codes, their scales and the fp32 norm instead."""
+    ``value_bits`` all-gathers the packed codes, their scales and the fp32 norm instead, or with
+    ``quantized_collective=compressed_all_reduce`` sends each of the world's chunks of codes to
+    its owner (an all-to-all) and all-gathers the owners' codes of the mean with the norm."""
     out = dict(scape_step_bytes(numel, world, sparsity, mask_transport, value_dtype))
     if value_bits:
-        count = world * out["k"]
-        out["values"] = all_gather_bytes(packed_nbytes(count, value_bits, VALUE_BYTES[value_dtype]) + 4, world)
+        count, scale_bytes = world * out["k"], VALUE_BYTES[value_dtype]
+        if quantized_collective == "all_gather":
+            out["values"] = all_gather_bytes(packed_nbytes(count, value_bits, scale_bytes) + 4, world)
+        else:
+            chunk = packed_nbytes(count // world, value_bits, scale_bytes)
+            out["values"] = all_to_all_bytes(world * chunk, world) + all_gather_bytes(chunk + 4, world)
     else:
         if normalizer == "revealed" or average_momentum:
             out["values"] *= 2
@@ -317,6 +323,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self.cycle_position = 0
         self.value_dtype = torch.bfloat16 if cfg.value_dtype == "bf16" else torch.float32
         self.value_bits = int(cfg.value_bits)  # 0: value_dtype values; else codes (value_dtype scales)
+        self.quantized_collective = cfg.quantized_collective
         momentum_exchange = cfg.exchange == "momentum"
         self.revealed = cfg.normalizer == "revealed"
         self.oracle = cfg.normalizer == "oracle"
@@ -425,35 +432,72 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             kernels.scatter(y, mask, snapped if kept is None else snapped.add_(kept))
 
     def _gather_quantized(self, sent: Optional[torch.Tensor], count: int):
-        """value_bits: (the mean of the copies' quantized drifts, what this copy's codes left out).
+        """value_bits: (the mean of the copies' quantized drifts, what this copy keeps of them).
 
-        ONE all-gather (kind scape_values) of every rank's packed codes and block scales
-        (``scape.quantize``) with its squared local gradient norm in fp32 behind them; every rank
-        reads all of them back and sums them in rank order, so the mean is the same bits everywhere.
+        quantized_collective=all_gather: ONE all-gather (kind scape_values) of every rank's packed
+        codes and block scales (``scape.quantize``) with its squared local gradient norm in fp32
+        behind them; every rank reads all of them back and sums them in rank order, so the mean is
+        the same bits everywhere. It sends (C - 1) times the payload (C copies).
+
+        compressed_all_reduce (1-bit Adam's two phases, at 2 (C - 1) / C times the payload, as
+        an all-reduce): the selection is cut into C equal chunks, chunk c owned by the exchange
+        rank c (always the same partitions). An all-to-all sends each chunk's codes to its owner,
+        which averages them, quantizes the mean again and all-gathers those codes (with the norm)
+        to every rank. What the second quantization leaves out goes into the owner's own copy, C
+        times over, so the mean of the copies is not changed by the exchange and the owner's next
+        drift sends it again (error feedback through the copy: no state of its own).
         """
-        bits, scale_dtype = self.value_bits, self.value_dtype
+        bits, scale_dtype, copies = self.value_bits, self.value_dtype, self.copies
         norm = self._local_norm.square().float().reshape(1).view(torch.uint8)
-        if count:
-            packed, scale = quantize(sent, bits, scale_dtype)
-            local = torch.cat([packed, scale.view(torch.uint8), norm])
-        else:
-            local = norm
-        gathered = torch.empty(self.copies * local.numel(), dtype=torch.uint8, device=self.device)
-        self.exchange_comm.all_gather_into_tensor(gathered, local, kind="scape_values")
-        gathered = gathered.view(self.copies, local.numel())
-        # (copies of the slices: a view as a wider dtype needs an aligned offset)
-        self._global_sq = gathered[:, -4:].clone().view(torch.float32).sum()
-        if not count:
+        if not count:  # step 1: only the norms cross
+            gathered = torch.empty(copies * 4, dtype=torch.uint8, device=self.device)
+            self.exchange_comm.all_gather_into_tensor(gathered, norm, kind="scape_values")
+            self._global_sq = gathered.view(torch.float32).sum()
             return None, None
-        codes, scales = packed.numel(), scale.numel() * scale.element_size()
-        total = torch.zeros(count, dtype=torch.float32, device=self.device)
+
+        def encode(values: torch.Tensor) -> torch.Tensor:
+            packed, scale = quantize(values, bits, scale_dtype)
+            return torch.cat([packed, scale.view(torch.uint8)])
+
+        def decode(row: torch.Tensor, n: int) -> torch.Tensor:
+            # (a copy of the scales' slice: a view as a wider dtype needs an aligned offset)
+            codes = math.ceil(n * bits / 8)
+            return dequantize(row[:codes], row[codes:].clone().view(scale_dtype), bits, n)
+
         own = self.exchange_comm.rank()
-        for copy, row in enumerate(gathered):
-            values = dequantize(row[:codes], row[codes:codes + scales].clone().view(scale_dtype), bits, count)
-            total.add_(values)
-            if copy == own:
-                sent.sub_(values)
-        return total.div_(self.copies), sent
+        if self.quantized_collective == "all_gather":
+            local = torch.cat([encode(sent), norm])
+            gathered = torch.empty(copies * local.numel(), dtype=torch.uint8, device=self.device)
+            self.exchange_comm.all_gather_into_tensor(gathered, local, kind="scape_values")
+            rows = gathered.view(copies, -1)
+            self._global_sq = rows[:, -4:].clone().view(torch.float32).sum()
+            total = torch.zeros(count, dtype=torch.float32, device=self.device)
+            for copy, row in enumerate(rows):
+                values = decode(row[:-4], count)
+                total.add_(values)
+                if copy == own:
+                    sent.sub_(values)
+            return total.div_(copies), sent
+
+        chunk = count // copies  # count = partitions x k, and the copies divide the partitions
+        pieces = [encode(part) for part in sent.split(chunk)]
+        for part, piece in zip(sent.split(chunk), pieces):
+            part.sub_(decode(piece, chunk))  # the client's error feedback: kept in the copy
+        received = torch.empty(copies * pieces[0].numel(), dtype=torch.uint8, device=self.device)
+        self.exchange_comm.all_to_all_single(received, torch.cat(pieces), kind="scape_values")
+        mean_here = torch.zeros(chunk, dtype=torch.float32, device=self.device)
+        for row in received.view(copies, -1):
+            mean_here.add_(decode(row, chunk))
+        mean_here.div_(copies)
+        local = torch.cat([encode(mean_here), norm])
+        gathered = torch.empty(copies * local.numel(), dtype=torch.uint8, device=self.device)
+        self.exchange_comm.all_gather_into_tensor(gathered, local, kind="scape_values")
+        rows = gathered.view(copies, -1)
+        self._global_sq = rows[:, -4:].clone().view(torch.float32).sum()
+        mean = torch.cat([decode(row[:-4], chunk) for row in rows])
+        # the owner's copy takes the second quantization's error, once for every copy
+        sent[own * chunk:(own + 1) * chunk].add_(mean_here.sub_(mean[own * chunk:(own + 1) * chunk]), alpha=copies)
+        return mean, sent
 
     def _consensus_momentum(self, mean_drift: torch.Tensor, mask: Optional[torch.Tensor], step: int) -> torch.Tensor:
         """local_momentum=consensus: the new M on the exchanged coordinates (before D folds them in).

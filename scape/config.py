@@ -83,3 +83,8 @@ class OptimizerConfig(DenseOptimizerConfig):
     # (N - 1) / 2 times the bytes of an all-reduce of the same payload: on 4 ranks equal bytes
     # buy about 2x (4 bits) to 6x (1 bit) as many coordinates per step as bf16 values
     value_bits: int = 0
+    # how the codes travel: all_gather (every rank reads every rank's codes; exact mean of the
+    # codes, (N - 1) x the payload) or compressed_all_reduce (an all-to-all to each chunk's owner,
+    # which averages and quantizes again, then an all-gather: 2 (N - 1) / N x the payload, as an
+    # all-reduce, so the bytes do not grow with the ranks)
+    quantized_collective: str = "all_gather"

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import scape
-from core.comm import Collectives, all_reduce_bytes
+from core.comm import Collectives, all_gather_bytes, all_reduce_bytes, all_to_all_bytes
 from core.flat import FlatParameters, param_groups
 from core.optim import AdamS
 from core.sync import DenseAllReduce
@@ -118,10 +118,20 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
                     y[sel], a[sel] = x[sel], 0
             drifts = [y[sel] - x[sel] for y in ys]
             if cfg.value_bits:  # each copy sends its drift as codes and keeps what they leave out
-                sent = [quantized(d, cfg.value_bits, cfg.value_dtype) for d in drifts]
+                if cfg.quantized_collective == "all_gather":
+                    sent = [quantized(d, cfg.value_bits, cfg.value_dtype) for d in drifts]
+                else:  # in C chunks; chunk c's mean is quantized again by copy c
+                    sent = [torch.cat([quantized(part, cfg.value_bits, cfg.value_dtype)
+                                       for part in d.chunk(copies)]) for d in drifts]
                 kept = [d - q for d, q in zip(drifts, sent)]
                 drifts = sent
             delta = sum(drifts) / copies
+            if cfg.value_bits and cfg.quantized_collective != "all_gather":
+                parts = delta.chunk(copies)
+                again = torch.cat([quantized(part, cfg.value_bits, cfg.value_dtype) for part in parts])
+                for c, (part, requantized) in enumerate(zip(parts, again.chunk(copies))):
+                    kept[c][c * part.numel():(c + 1) * part.numel()] += copies * (part - requantized)
+                delta = again
             if frozen:  # the mean step r = b1 M + (1 - b1) gbar, less the decay's share lr wd x
                 r = -(delta + torch.where(sel < decay_end, wd * x[sel] * lr_sum[sel], 0.0)) * denom[sel] / lr_sum[sel]
                 gbar = (r - b1 * ms[0][sel]) / (1 - b1)
@@ -230,7 +240,11 @@ REFERENCE_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.8, dense_warmup_steps=3
                      dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", density_lr_power=1),
                      dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", value_bits=2, sparsity_warmup_steps=4),
                      dict(sparsity=0.97, value_bits=1, dense_warmup_steps=3),  # 5 bytes of codes: unaligned scales
-                     dict(sparsity=0.5, mask_rule="cyclic", normalizer="shared", value_bits=4, value_dtype="bf16")]
+                     dict(sparsity=0.5, mask_rule="cyclic", normalizer="shared", value_bits=4, value_dtype="bf16"),
+                     dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", value_bits=2,
+                          quantized_collective="compressed_all_reduce", sparsity_warmup_steps=4),
+                     dict(sparsity=0.97, value_bits=1, quantized_collective="compressed_all_reduce",
+                          dense_warmup_steps=3)]
 
 
 def decaying_lr(step: int) -> float:
@@ -475,7 +489,9 @@ RESUME_CONFIGS = [(dict(sparsity=0.9), 4),
                   (dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", density_lr_power=1,
                         value_dtype="bf16"), 3),
                   # one copy of both ranks: the exchange group is a single rank
-                  (dict(sparsity=0.9, mask_rule="cyclic", normalizer="shared", ranks_per_copy=2), 3)]
+                  (dict(sparsity=0.9, mask_rule="cyclic", normalizer="shared", ranks_per_copy=2), 3),
+                  (dict(sparsity=0.9, mask_rule="cyclic", normalizer="shared", value_bits=2, value_dtype="bf16",
+                        sparsity_warmup_steps=4), 3)]
 
 
 def _resume(rank: int, world: int) -> None:
@@ -550,6 +566,40 @@ def _bytes(rank: int, world: int) -> None:
 
 def test_counted_bytes_equal_the_formula_and_metrics():
     run_distributed(_bytes, world_size=2)
+
+
+def _quantized_bytes(rank: int, world: int) -> None:
+    for bits, dtype, collective in ((1, "bf16", "all_gather"), (2, "bf16", "all_gather"), (4, "fp32", "all_gather"),
+                                    (2, "bf16", "compressed_all_reduce"), (1, "fp32", "compressed_all_reduce")):
+        cfg = avg_config(sparsity=0.9, mask_rule="cyclic", normalizer="shared", value_bits=bits, value_dtype=dtype,
+                         quantized_collective=collective)
+        model = make_model()
+        sync = SparseAverageSynchronizer(model, cfg)
+        counted = {}
+        train(model, sync, 3, rank, before_reduce=lambda step: sync.comm.counter.reset(),
+              after=lambda step: counted.__setitem__(step, dict(sync.comm.counter.bytes)))
+        formula = sparse_avg_step_bytes(sync.layout.numel, world, cfg.sparsity, cfg.mask_transport, dtype,
+                                        cfg.mask_rule, cfg.normalizer, value_bits=bits, quantized_collective=collective)
+        count, scale_bytes = world * formula["k"], 2 if dtype == "bf16" else 4
+        # the packed codes and a scale per 64 values (and the fp32 squared norm behind them)
+        local = math.ceil(count * bits / 8) + math.ceil(count / 64) * scale_bytes
+        if collective == "all_gather":
+            sent = all_gather_bytes(local + 4, world)
+        else:  # the world's chunks to their owners, then the owners' codes of the mean to everyone
+            chunk = local // world
+            sent = all_to_all_bytes(world * chunk, world) + all_gather_bytes(chunk + 4, world)
+            # as many bytes as the all-gather on 2 ranks, (N - 1) / 2 times fewer on N
+            assert chunk * world == local and sent == all_gather_bytes(local + 4, world) * 2 / world
+        assert counted[1]["scape_values"] == all_gather_bytes(4, world)  # step 1: the norm only
+        assert counted[2] == counted[3] == {"scape_values": formula["values"]} == {"scape_values": sent}
+        # at these bytes bf16 values reach ~1/(2 bits) of the coordinates on 2 ranks
+        plain = sparse_avg_step_bytes(sync.layout.numel, world, cfg.sparsity, cfg.mask_transport, dtype,
+                                      cfg.mask_rule, cfg.normalizer)
+        assert formula["values"] < plain["values"]
+
+
+def test_quantized_drifts_cross_in_the_counted_bytes():
+    run_distributed(_quantized_bytes, world_size=2)
 
 
 def _global_norm_and_nonfinite(rank: int, world: int) -> None:
@@ -657,6 +707,18 @@ def test_settings_are_checked_and_the_builders_dispatch():
         SparseAverageSynchronizer(make_model(), avg_config(ranks_per_copy=2))
     with pytest.raises(ValueError, match="optimizer.ranks_per_copy=2 is a sparse_avg option"):
         scape.build_synchronizer(make_model(), avg_config(name="scape", ranks_per_copy=2))
+    with pytest.raises(ValueError, match="optimizer.value_bits=3 is not supported; allowed values: 0, 1, 2, 4"):
+        SparseAverageSynchronizer(make_model(), avg_config(value_bits=3))
+    for bad in (dict(normalizer="revealed"), dict(normalizer="oracle"), dict(average_momentum=True),
+                dict(exchange="momentum")):
+        with pytest.raises(ValueError, match="value_bits=2 quantizes the drifts only"):
+            SparseAverageSynchronizer(make_model(), avg_config(value_bits=2, **bad))
+    with pytest.raises(ValueError, match="quantized_collective=compressed_all_reduce says how quantized drifts"):
+        SparseAverageSynchronizer(make_model(), avg_config(quantized_collective="compressed_all_reduce"))
+    with pytest.raises(ValueError, match="optimizer.quantized_collective='ring'"):
+        SparseAverageSynchronizer(make_model(), avg_config(value_bits=2, quantized_collective="ring"))
+    with pytest.raises(ValueError, match="optimizer.value_bits=2 is a sparse_avg option"):
+        scape.build_synchronizer(make_model(), avg_config(name="scape", value_bits=2))
     summed = SparseAverageSynchronizer(make_model(), avg_config(exchange="momentum"))
     train(summed.model, summed, 2, 0)
     with pytest.raises(ValueError, match="written with optimizer.exchange=momentum"):
