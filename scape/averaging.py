@@ -470,7 +470,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             gathered = torch.empty(copies * local.numel(), dtype=torch.uint8, device=self.device)
             self.exchange_comm.all_gather_into_tensor(gathered, local, kind="scape_values")
             rows = gathered.view(copies, -1)
-            self._global_sq = rows[:, -4:].clone().view(torch.float32).sum()
+            self._global_sq = rows[:, -4:].reshape(-1).clone().view(torch.float32).sum()
             total = torch.zeros(count, dtype=torch.float32, device=self.device)
             for copy, row in enumerate(rows):
                 values = decode(row[:-4], count)
@@ -493,7 +493,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         gathered = torch.empty(copies * local.numel(), dtype=torch.uint8, device=self.device)
         self.exchange_comm.all_gather_into_tensor(gathered, local, kind="scape_values")
         rows = gathered.view(copies, -1)
-        self._global_sq = rows[:, -4:].clone().view(torch.float32).sum()
+        self._global_sq = rows[:, -4:].reshape(-1).clone().view(torch.float32).sum()
         mean = torch.cat([decode(row[:-4], chunk) for row in rows])
         # the owner's copy takes the second quantization's error, once for every copy
         sent[own * chunk:(own + 1) * chunk].add_(mean_here.sub_(mean[own * chunk:(own + 1) * chunk]), alpha=copies)

@@ -90,17 +90,24 @@ ARMS: Dict[str, Arm] = {arm.name: arm for arm in [
 ]}
 
 # The spec's rule at both sparsities (the defaults of optimizer=scape are the study's rule), and
-# sparse model averaging; any other rule is composed from its name (compose_arm).
+# sparse model averaging; any other rule is composed from its name (compose_arm). The sma arms
+# keep the bf16 drifts they were measured with (the rule before quantized drifts became the
+# default); sma99q is optimizer=sparse_avg as it ships.
+_BF16_DRIFTS = ("optimizer.value_bits=0", "optimizer.quantized_collective=all_gather")
 for _pct, _sparsity in (("90", "0.9"), ("99", "0.99")):
     ARMS[f"scape{_pct}_spec"] = Arm(f"scape{_pct}_spec", f"SCAPE-{_pct}, the spec's rule",
                                     ("optimizer=scape_spec", f"optimizer.sparsity={_sparsity}"),
                                     "docs/specs/SCAPE.md as written: pre-send score, no catch-up, no warm-up", False)
     ARMS[f"sma{_pct}"] = Arm(f"sma{_pct}", f"sparse model averaging, {_pct}%",
-                             ("optimizer=sparse_avg", f"optimizer.sparsity={_sparsity}"),
+                             ("optimizer=sparse_avg", f"optimizer.sparsity={_sparsity}", *_BF16_DRIFTS),
                              "local momentum per rank over one shared denominator; k drifts per partition "
                              "averaged each step, on a fixed cycle (no mask sent), in bf16", False)
-ARMS["sma0"] = Arm("sma0", "sparse model averaging, density 1", ("optimizer=sparse_avg", "optimizer.sparsity=0.0"),
+ARMS["sma0"] = Arm("sma0", "sparse model averaging, density 1",
+                   ("optimizer=sparse_avg", "optimizer.sparsity=0.0", *_BF16_DRIFTS),
                    "every drift averaged every step: what the local steps + averaging cost without sparsity", False)
+ARMS["sma99q"] = Arm("sma99q", "sparse model averaging at 99%'s bytes, 2-bit drifts", ("optimizer=sparse_avg",),
+                     "optimizer=sparse_avg's defaults: 2-bit drifts on 7.1% of the coordinates a step, "
+                     "a compressed all-reduce, the bytes of bf16 drifts at 99%", False)
 
 
 # Composed SCAPE arms, named by their recipe: scape99+post+cap32+warm20 (see compose_arm).
@@ -150,7 +157,8 @@ _PARTS = {
 
 def compose_arm(name: str) -> Optional[Arm]:
     """An arm named by its recipe, ``base+part+part...``: base scape90 / scape99 (the spec's rule at
-    that sparsity), sma90 / sma99 (sparse model averaging) or adams / adamw; parts: post, capN /
+    that sparsity), sma90 / sma99 (sparse model averaging, bf16 drifts), sma99q (optimizer=sparse_avg's
+    defaults) or adams / adamw; parts: post, capN /
     lrsumN (catch-up capped at N; 0 = 1 / density), warmN, clip, noclip, lrX, and for sparse
     averaging omX / olrX (outer Nesterov momentum / outer lr), dev / rand / cyc / topk (mask rule), shnorm / rvnorm / lnorm (one shared
     denominator from the drift / from momenta sent beside it / each rank's own), ornorm (D from every
@@ -163,7 +171,10 @@ def compose_arm(name: str) -> Optional[Arm]:
     if base in ("scape90", "scape99"):
         overrides, label = [*SCAPE, f"optimizer.sparsity=0.{base[-2:]}", *_SPEC_RULE], f"SCAPE-{base[-2:]}"
     elif base in ("sma90", "sma99"):
-        overrides, label = ["optimizer=sparse_avg", f"optimizer.sparsity=0.{base[-2:]}"], f"sparse avg {base[-2:]}%"
+        overrides, label = (["optimizer=sparse_avg", f"optimizer.sparsity=0.{base[-2:]}", *_BF16_DRIFTS],
+                            f"sparse avg {base[-2:]}%")
+    elif base == "sma99q":
+        overrides, label = ["optimizer=sparse_avg"], "sparse avg at 99%'s bytes, 2-bit drifts"
     elif base in ("adams", "adamw"):
         overrides, label = [f"optimizer={base}"], {"adams": "AdamS", "adamw": "AdamW"}[base]
     else:
