@@ -173,8 +173,14 @@ def _times(factor, steps) -> int:
     return int(round(float(factor) * float(steps)))
 
 
+def _longest(*steps) -> int:
+    """``${longest:${times:5,${.warmup_steps}},${times:0.3333,${train.steps}}}``: the largest step count."""
+    return max(int(step) for step in steps)
+
+
 def register_configs() -> None:
     ConfigStore.instance().store(name="schema", node=Config)
     # conf/optimizer/scape.yaml and sparse_avg.yaml tie the sparsity warm-up to the lr warm-up with
     # it; every compose site (train.py, tests, scripts) calls this function first
     OmegaConf.register_new_resolver("times", _times, replace=True)
+    OmegaConf.register_new_resolver("longest", _longest, replace=True)
