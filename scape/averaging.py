@@ -2,8 +2,8 @@
 
 SCAPE keeps one model on every rank and sends a sparse slice of the gradient statistics; this
 optimizer keeps one model *per* rank and sends a sparse slice of how far each model has moved
-away from the others. Same bytes per step (k values per partition plus the mask all-gather), the
-same number of state buffers, one all-reduce per step on the critical path.
+away from the others. At most SCAPE's bytes per step, the same number of state buffers, one
+(compressed) all-reduce per step on the critical path.
 
 State
     replicated (identical on every rank by construction): the consensus x (flat fp32, padded as
@@ -21,9 +21,11 @@ One step t, in the loop's order
                       d_i[M_t] (k values per partition, in flat order) plus one float, this rank's
                       squared local gradient norm; ONE all-reduce (kind scape_values);
                       x[M_t] += mean_i d_i[M_t];  y_i[M_t] = x[M_t]  (d_i = 0 there).
-                      value_bits: the drifts travel as b-bit codes with a scale per 64 values
-                      instead, every rank's all-gathered (still ONE collective, kind
-                      scape_values), and y_i[M_t] = x[M_t] + what its own codes left out.
+                      value_bits (the default 2): the drifts travel as b-bit codes with a scale
+                      per 64 values instead, through a compressed all-reduce (an all-to-all to
+                      each chunk's owner, then an all-gather of the owners' re-quantized means;
+                      both kind scape_values) or one all-gather of every rank's codes, and
+                      y_i[M_t] = x[M_t] + what its own codes left out.
                       average_momentum: the payload also holds m_i[M_t] and every rank's
                       momentum becomes their mean there; normalizer=oracle: one more, dense
                       all-reduce of the momenta (kind oracle) feeds D everywhere (a decomposition
