@@ -258,7 +258,10 @@ def lr_for(cfg: OptimizerConfig):
 
 # a copy of 2 ranks on 4 ranks: 2 copies, each a node of 2 GPUs
 COPY_CONFIGS = [dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", ranks_per_copy=2, sparsity_warmup_steps=4),
-                dict(sparsity=0.9, ranks_per_copy=2, dense_warmup_steps=2)]
+                dict(sparsity=0.9, ranks_per_copy=2, dense_warmup_steps=2),
+                # the default's exchange between the copies: 2-bit codes, compressed all-reduce
+                dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", ranks_per_copy=2, value_bits=2,
+                     quantized_collective="compressed_all_reduce", value_dtype="bf16", sparsity_warmup_steps=4)]
 
 
 def _equals_reference(rank: int, world: int, configs=REFERENCE_CONFIGS) -> None:
@@ -306,6 +309,12 @@ def _copies_of_two_ranks(rank: int, world: int) -> None:
     assert counted[6] == {"copy_gradients": all_reduce_bytes(4 * padded, 2),
                           "scape_values": all_reduce_bytes((world * k + 1) * 4, 2)}
     assert counted[1]["grad_allreduce"] == all_reduce_bytes(4 * padded, 2)
+    # with 2-bit codes each rail quantizes the same copy alike: still bit for bit in a copy
+    model = make_model()
+    sync = SparseAverageSynchronizer(model, avg_config(**COPY_CONFIGS[2]))
+    train(model, sync, 6, rank)
+    first, second, third, fourth = _gathered(sync.flat.data, world)
+    assert torch.equal(first, second) and torch.equal(third, fourth) and not torch.equal(first, third)
 
 
 def test_a_copy_of_two_ranks_equals_the_arithmetic_and_exchanges_between_copies_only():
