@@ -89,7 +89,13 @@ def prepare_point(cfg) -> bool:
     if "resume" not in given:
         cfg.resume = "auto"  # a requeued point continues from its newest checkpoint
     if submitit.JobEnvironment().num_tasks > 1:
-        submitit.helpers.TorchDistributedEnvironment().export()
+        dist_env = submitit.helpers.TorchDistributedEnvironment()
+        # submitit draws the port from 20000-60000, mostly inside Linux's ephemeral range
+        # (32768-60999), where srun's own message sockets listen: a draw that hits one fails
+        # rank 0 with EADDRINUSE and leaves the others waiting. slurm/launch_common.sh's port,
+        # below that range:
+        dist_env.master_port = 29500 + int(os.environ["SLURM_JOB_ID"]) % 500
+        dist_env.export()
     # Replaces submitit's own handler, which would requeue at once and lose the steps since the
     # last checkpoint; the Trainer stops cleanly instead and finish_point requeues.
     signal.signal(getattr(signal, f"SIG{submitit.JobEnvironment.USR_SIG}"), _forward_to_stop_signal)
