@@ -374,7 +374,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             else:
                 sent = y - x if mask is None else y.index_select(0, mask) - x.index_select(0, mask)
         if self.value_bits:
-            mean, kept = self._gather_quantized(sent, count)
+            mean, kept = self._exchange_quantized(sent, count)
         else:
             payload = torch.empty(count + revealed + 1, dtype=self.value_dtype, device=self.device)
             if count:
@@ -433,7 +433,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             snapped = x.index_select(0, mask)
             kernels.scatter(y, mask, snapped if kept is None else snapped.add_(kept))
 
-    def _gather_quantized(self, sent: Optional[torch.Tensor], count: int):
+    def _exchange_quantized(self, sent: Optional[torch.Tensor], count: int):
         """value_bits: (the mean of the copies' quantized drifts, what this copy keeps of them).
 
         quantized_collective=all_gather: ONE all-gather (kind scape_values) of every rank's packed
