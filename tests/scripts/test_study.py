@@ -134,3 +134,42 @@ def test_sweep_extends_a_winning_grid_end_and_runs_other_seeds_at_the_best_lr(tm
     assert gaps["scape99"]["shared_gap"] > 1.0  # at AdamS's lr SCAPE is far from its own best
     table = study.sweep_table(arms, gaps, args)
     assert "**4.0100**" in table and "| 0.008 |" in table
+
+
+def test_stdlib_source_corpus_is_the_library_outside_its_tests_written_once(tmp_path, monkeypatch):
+    out = tmp_path / "corpora" / "stdlib_source.jsonl"
+    corpus = study.stdlib_source_corpus(out)
+    documents = [json.loads(line)["text"] for line in corpus.read_text(encoding="utf-8").splitlines()]
+    assert len(documents) > 300 and all(text.strip() for text in documents)
+    assert any("def dumps(" in text for text in documents)  # json/__init__.py is in it
+    assert not list(tmp_path.rglob("*.partial"))
+    # the test suites are left out: none of their files' first lines appear
+    stdlib = Path(study.sysconfig.get_paths()["stdlib"])
+    suite = stdlib / "test" / "test_json" / "__init__.py"
+    if suite.is_file():
+        assert suite.read_text(encoding="utf-8") not in documents
+    # written once: a second call reads the file back and does not rewrite it
+    stamp = corpus.stat().st_mtime_ns
+    monkeypatch.setattr(study.sysconfig, "get_paths", lambda: pytest.fail("the corpus was rebuilt"))
+    assert study.stdlib_source_corpus(out) == out and out.stat().st_mtime_ns == stamp
+    # the study's overrides point data=local at it, named after corpus and vocabulary
+    args = study.parse_args(["--corpus", "stdlib-source", "--cache-dir", str(tmp_path / "data")])
+    overrides = study.data_overrides(args)
+    assert "data=local" in overrides and f"data.paths=[{out}]" in overrides
+    assert "data.name=stdlib_source_v2048" in overrides
+
+
+def test_val_curve_carries_the_mean_training_loss_of_each_validation_interval(tmp_path):
+    lines = [{"step": 5, "train/loss": 6.0, "comm/bytes_cumulative": 50.0},
+             {"step": 10, "train/loss": 5.0, "comm/bytes_cumulative": 100.0},
+             {"step": 10, "val/loss": 5.5},
+             {"step": 15, "train/loss": 4.0, "comm/bytes_cumulative": 150.0},
+             {"step": 20, "train/loss": 3.0, "comm/bytes_cumulative": 200.0},
+             {"step": 20, "val/loss": 4.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    curve = study.val_curve(tmp_path)
+    assert curve["step"] == [10, 20] and curve["val_loss"] == [5.5, 4.5]
+    assert curve["train_loss"] == [pytest.approx(5.5), pytest.approx(3.5)]  # steps 1-10, then 11-20
+    arm = {"curve": curve}
+    assert study._last_train_loss(arm) == pytest.approx(3.5)
+    assert study._last_train_loss({"curve": {"train_loss": [math.nan]}}) is None
