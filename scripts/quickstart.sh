@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's main command: set up, then train a tiny Llama on the embedded corpus on 2 processes
 # (1 on a one-GPU machine)
-# with dense AdamS, SCAPE-99 and sparse model averaging at 99%'s bytes, and compare validation loss and bytes sent.
+# with dense AdamS, SCAPE-99 and sparse model averaging at SCAPE-99's bytes, and compare validation loss and bytes sent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
