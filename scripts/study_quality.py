@@ -243,10 +243,10 @@ STDLIB_SOURCE = "stdlib-source"
 
 def stdlib_source_corpus(out: Path) -> Path:
     """``--corpus stdlib-source``: every .py file of this CPython's standard library outside its
-    test suites and site-packages, one JSON document per file in path order (13 MB on CPython
-    3.11: 3.9M training tokens with the study's BPE, so a 1,200-step run of 2,048 tokens per step
-    sees no token twice, where it reads tinyshakespeare 6.4 times). Written once, atomically; the same CPython gives the same
-    file, so the runs' cache folder (named after it) is reused."""
+    test suites and site-packages, one JSON document per file in path order. Large enough that a
+    1,200-step study run reads no token twice (tinyshakespeare is read several times over), so a
+    horizon measures the optimiser, not how fast it memorises (sizes: docs/RESULTS.md). Written
+    once, atomically; the same CPython gives the same file, so the runs' cache folder is reused."""
     if out.is_file():
         return out
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -650,9 +650,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-micro-batch", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=2048, help="BPE vocabulary trained on the corpus")
     parser.add_argument("--corpus", default=str(DEFAULT_CORPUS) if DEFAULT_CORPUS.is_file() else "embedded",
-                        help="a text file, 'embedded', or 'stdlib-source' (this CPython's library source, "
-                             "3.9M training tokens: horizons without repeated data; default: tinyshakespeare "
-                             "when present)")
+                        help="a text file, 'embedded', or 'stdlib-source' (this CPython's library source: "
+                             "horizons without repeated data; default: tinyshakespeare when present)")
     parser.add_argument("--data-name", default=None, help="name of the prepared corpus's cache folder")
     parser.add_argument("--cache-dir", default=str(REPO / "cache" / "data"))
     parser.add_argument("--eval-every", type=int, default=0, help="0 = steps / 10")
