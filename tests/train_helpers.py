@@ -1,6 +1,8 @@
-"""Run train.py as a user does (python or torchrun) with a debug-size model, and read its logs."""
+"""Run train.py as a user does (python or torchrun) with a debug-size model, and read its logs;
+load a script of scripts/ as a module."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -9,6 +11,15 @@ from pathlib import Path
 from typing import Dict, List, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str):
+    """scripts/NAME.py as a module (scripts/ is not a package: users run the files)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
 
 # The embedded corpus without the stdlib docstrings: a quarter of the text, tokenized in seconds.
 TINY_DATA = ["data.embedded_docstrings=false"]

@@ -1,24 +1,15 @@
 """The benchmarks' own logic: bench_network's arms, time-to-loss bookkeeping and arguments;
 bench_optimizer's top-k comparison at a small size; the report and port helpers they share."""
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.train_helpers import REPO, load_script
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench_network = _load("bench_network")
-bench_io = _load("bench_io")
+bench_network = load_script("bench_network")
+bench_io = load_script("bench_io")
 
 
 def test_emit_report_prints_the_json_and_writes_it_into_a_new_folder(tmp_path, capsys):
@@ -125,7 +116,7 @@ def test_bench_optimizer_compares_both_topk_methods(tmp_path, monkeypatch):
     out = tmp_path / "bench.json"
     monkeypatch.setattr(sys, "argv", ["bench_optimizer.py", "--numel", "300000", "--repeats", "1",
                                       "--threads", "1", "--out", str(out)])
-    _load("bench_optimizer").main()
+    load_script("bench_optimizer").main()
     report = json.loads(out.read_text())["seconds"]
     for name, k in (("topk90", 30000), ("topk99", 3000)):
         row = report[name]["min"]

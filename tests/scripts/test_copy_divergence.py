@@ -1,16 +1,11 @@
 """scripts/copy_divergence.py on a real 2-rank sparse_avg checkpoint."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-from tests.train_helpers import TINY, check, train_cli
+from tests.train_helpers import TINY, check, load_script, train_cli
 
-_SPEC = importlib.util.spec_from_file_location(
-    "copy_divergence", Path(__file__).resolve().parents[2] / "scripts" / "copy_divergence.py")
-copy_divergence = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(copy_divergence)
+copy_divergence = load_script("copy_divergence")
 
 
 def test_copies_of_a_sparse_avg_checkpoint(tmp_path, prepared_cache, capsys):

@@ -6,28 +6,17 @@ FLOP-matched step budget, and reuses finished arms instead of training them agai
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.train_helpers import REPO, TINY_DATA
+from tests.train_helpers import TINY_DATA, load_script
 
 STEPS = 4
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-study = _load("study_quality")
+study = load_script("study_quality")
 
 DEBUG_MODEL = ["model.n_layer=2", "model.d_model=64", "model.n_head=4", "model.n_kv_head=2",
                "model.ffn_hidden=192", *TINY_DATA]

@@ -17,14 +17,9 @@ from sdp.plan import (Plan, cyclic_assignment, enumerate_components, make_plan, 
 
 def main(argv):
     """The planner's CLI, scripts/plan_sdp.py."""
-    import importlib.util
-    from pathlib import Path
+    from tests.train_helpers import load_script
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "plan_sdp.py"
-    spec = importlib.util.spec_from_file_location("plan_sdp", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
+    return load_script("plan_sdp").main(argv)
 
 
 def _tiny():

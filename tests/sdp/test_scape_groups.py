@@ -150,15 +150,9 @@ def test_combined_experiments_compose_and_build_on_tiny_shapes(experiment):
 
 
 def test_study_arm_bsdp50_scape90_parses_and_builds(tmp_path):
-    import importlib.util
-    import sys
+    from tests.train_helpers import REPO, load_script
 
-    from tests.train_helpers import REPO
-
-    spec = importlib.util.spec_from_file_location("study_quality", REPO / "scripts" / "study_quality.py")
-    study = importlib.util.module_from_spec(spec)
-    sys.modules["study_quality"] = study  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(study)
+    study = load_script("study_quality")
     args = study.parse_args(["--arms", "bsdp50_scape90", "--corpus", "embedded"])
     assert args.arm_names == ["bsdp50_scape90"]
     assert "bsdp50_scape90" in [n for n, a in study.ARMS.items() if a.in_all]
