@@ -4,6 +4,7 @@
     sudo python scripts/bench_network.py --rates 1gbit --steps 8 --out runs/net.json
     sudo python scripts/bench_network.py --rates 1gbit --time-to-loss 40 --step-cap 160
     sudo python scripts/bench_network.py --rates 1gbit --ranks-per-host 2 --arms adams,sma99,sma99_copy_per_host
+    sudo python scripts/bench_network.py --rates 1gbit,100mbit --arms adams,scape99,sparse_avg --steps 24 --warmup 12
 
 The dense baseline is the one users run: AdamS with its gradient all-reduce overlapped with
 backward (``optimizer.grad_sync=ddp``, arm ``adams``); ``adams_after_backward`` is the
@@ -65,6 +66,9 @@ ARMS: Dict[str, List[str]] = {
     "scape99": ["optimizer=scape", "optimizer.sparsity=0.99"],
     "scape90_threshold": ["optimizer=scape", "optimizer.sparsity=0.9", "optimizer.topk_method=threshold"],
     "scape99_no_overlap": ["optimizer=scape", "optimizer.sparsity=0.99", "optimizer.overlap_backward=false"],
+    # sparse averaging as it ships: 2-bit drifts through the compressed all-reduce at SCAPE-99's
+    # bytes per step (run with --warmup past its sparsity warm-up, a third of --steps)
+    "sparse_avg": ["optimizer=sparse_avg"],
     # bf16 drifts at 99%, the rule these arms were measured with (before 2-bit drifts became the default)
     "sma99": ["optimizer=sparse_avg", "optimizer.sparsity=0.99", "optimizer.value_bits=0",
               "optimizer.quantized_collective=all_gather"],

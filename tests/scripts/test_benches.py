@@ -84,10 +84,10 @@ def test_dense_arms_name_their_grad_sync_and_scape_arms_compose():
     register_configs()
     args = bench_network.parse_args(["--arms", "scape99"])
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        for arm in ("scape90_threshold", "scape99_no_overlap", "adams_after_backward"):
+        for arm in ("scape90_threshold", "scape99_no_overlap", "adams_after_backward", "sparse_avg"):
             cfg = compose(config_name="config", overrides=[*bench_network.model_overrides(args),
                                                            *bench_network.arm_overrides(arm)])
-            assert cfg.optimizer.name in ("scape", "adams")
+            assert cfg.optimizer.name in ("scape", "adams", "sparse_avg")
         assert cfg.train.global_batch_tokens == 2 * args.seq_len  # 64 tokens per rank, 2 ranks
 
 
