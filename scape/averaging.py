@@ -319,9 +319,14 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self.last_exchange = torch.ones(self.consensus.numel(), dtype=torch.int32,
                                         device=self.device) if deviation else None
         # mask_rule=cyclic: one fixed permutation of a partition's offsets (the same on every
-        # rank and for every partition) and how far along it the masks have come
-        self.cycle_order = torch.randperm(self.layout.partition_size, generator=torch.Generator().manual_seed(0)
-                                          ).to(self.device) if self.mask_rule == "cyclic" else None
+        # rank and for every partition), held as each offset's place in it (int32), and how far
+        # along it the masks have come
+        self.cycle_place: Optional[torch.Tensor] = None
+        if self.mask_rule == "cyclic":
+            order = torch.randperm(self.layout.partition_size, generator=torch.Generator().manual_seed(0))
+            place = torch.empty(order.numel(), dtype=torch.int32)
+            place[order] = torch.arange(order.numel(), dtype=torch.int32)
+            self.cycle_place = place.to(self.device)
         self.cycle_position = 0
         self.value_dtype = torch.bfloat16 if cfg.value_dtype == "bf16" else torch.float32
         self.value_bits = int(cfg.value_bits)  # 0: value_dtype values; else codes (value_dtype scales)
@@ -457,9 +462,10 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             self._global_sq = gathered.view(torch.float32).sum()
             return None, None
 
-        def encode(values: torch.Tensor) -> torch.Tensor:
-            packed, scale = quantize(values, bits, scale_dtype)
-            return torch.cat([packed, scale.view(torch.uint8)])
+        def encode(values: torch.Tensor):
+            """(the codes and scales as one byte row, what they read back as)."""
+            packed, scale, read_back = quantize(values, bits, scale_dtype)
+            return torch.cat([packed, scale.view(torch.uint8)]), read_back
 
         def decode(row: torch.Tensor, n: int) -> torch.Tensor:
             # (a copy of the scales' slice: a view as a wider dtype needs an aligned offset)
@@ -468,37 +474,38 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
 
         own = self.exchange_comm.rank()
         if self.quantized_collective == "all_gather":
-            local = torch.cat([encode(sent), norm])
+            row, read_back = encode(sent)
+            local = torch.cat([row, norm])
             gathered = torch.empty(copies * local.numel(), dtype=torch.uint8, device=self.device)
             self.exchange_comm.all_gather_into_tensor(gathered, local, kind="scape_values")
             rows = gathered.view(copies, -1)
             self._global_sq = rows[:, -4:].reshape(-1).clone().view(torch.float32).sum()
             total = torch.zeros(count, dtype=torch.float32, device=self.device)
-            for copy, row in enumerate(rows):
-                values = decode(row[:-4], count)
-                total.add_(values)
-                if copy == own:
-                    sent.sub_(values)
-            return total.div_(copies), sent
+            for copy, row in enumerate(rows):  # in rank order: the same sum on every rank
+                total.add_(read_back if copy == own else decode(row[:-4], count))
+            return total.div_(copies), sent.sub_(read_back)
 
         chunk = count // copies  # count = partitions x k, and the copies divide the partitions
-        pieces = [encode(part) for part in sent.split(chunk)]
-        for part, piece in zip(sent.split(chunk), pieces):
-            part.sub_(decode(piece, chunk))  # the client's error feedback: kept in the copy
+        pieces = []
+        for part in sent.split(chunk):
+            piece, read_back = encode(part)
+            part.sub_(read_back)  # the client's error feedback: kept in the copy
+            pieces.append(piece)
         received = torch.empty(copies * pieces[0].numel(), dtype=torch.uint8, device=self.device)
         self.exchange_comm.all_to_all_single(received, torch.cat(pieces), kind="scape_values")
         mean_here = torch.zeros(chunk, dtype=torch.float32, device=self.device)
         for row in received.view(copies, -1):
             mean_here.add_(decode(row, chunk))
         mean_here.div_(copies)
-        local = torch.cat([encode(mean_here), norm])
+        row, own_mean = encode(mean_here)
+        local = torch.cat([row, norm])
         gathered = torch.empty(copies * local.numel(), dtype=torch.uint8, device=self.device)
         self.exchange_comm.all_gather_into_tensor(gathered, local, kind="scape_values")
         rows = gathered.view(copies, -1)
         self._global_sq = rows[:, -4:].reshape(-1).clone().view(torch.float32).sum()
-        mean = torch.cat([decode(row[:-4], chunk) for row in rows])
+        mean = torch.cat([own_mean if copy == own else decode(row[:-4], chunk) for copy, row in enumerate(rows)])
         # the owner's copy takes the second quantization's error, once for every copy
-        sent[own * chunk:(own + 1) * chunk].add_(mean_here.sub_(mean[own * chunk:(own + 1) * chunk]), alpha=copies)
+        sent[own * chunk:(own + 1) * chunk].add_(mean_here.sub_(own_mean), alpha=copies)
         return mean, sent
 
     def _consensus_momentum(self, mean_drift: torch.Tensor, mask: Optional[torch.Tensor], step: int) -> torch.Tensor:
@@ -597,10 +604,16 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         Every coordinate is exchanged once every size / k steps (in steady state), the same
         period for all: no coordinate waits longer than that, as it can with a score or a draw.
         """
-        size = self.layout.partition_size
-        window = (self.cycle_position + torch.arange(k, device=self.device)) % size
-        offsets = self.cycle_order.index_select(0, window).sort().values
-        self.cycle_position = (self.cycle_position + k) % size
+        size, start = self.layout.partition_size, self.cycle_position
+        end = start + k  # the window [start, end) of places, wrapping around at size
+        place = self.cycle_place
+        if end <= size:
+            chosen = (place >= start) & (place < end)
+        else:
+            chosen = (place >= start) | (place < end - size)
+        # a pass over the partition, not a sort of the k offsets (the same ascending offsets)
+        offsets = chosen.nonzero().squeeze(1)
+        self.cycle_position = end % size
         starts = torch.arange(self.layout.num_partitions, device=self.device) * size
         return (starts[:, None] + offsets[None, :]).reshape(-1)
 
@@ -664,7 +677,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
     def _choose_mask(self, following: int, async_op: bool, overlap: bool) -> None:
         """M_{following} by the mask rule: held at once (cyclic) or its all-gather started."""
         k = self.k_at(following)
-        if self.cycle_order is not None:
+        if self.cycle_place is not None:
             self.masks.hold(following, self._cyclic_mask(k), k)
             return
         self._score_drifts(following)
@@ -731,7 +744,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
                                  "consensus": self.consensus.detach().cpu().clone()}
         if self.outer_velocity is not None:
             state["outer_velocity"] = self.outer_velocity.detach().cpu().clone()
-        if self.cycle_order is not None:
+        if self.cycle_place is not None:
             state["cycle_position"] = self.cycle_position
         if self.consensus_rate is not None:
             state["consensus_rate"] = self.consensus_rate.detach().cpu().clone()
@@ -755,7 +768,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
                              f"with the outer momentum that wrote it")
         if self.outer_velocity is not None:
             self.outer_velocity.copy_(state["outer_velocity"])
-        if self.cycle_order is not None:
+        if self.cycle_place is not None:
             if "cycle_position" not in state:
                 raise ValueError("this checkpoint has no cyclic mask position: it was written with "
                                  "another optimizer.mask_rule; resume with the one that wrote it")
