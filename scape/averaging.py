@@ -611,8 +611,9 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             chosen = (place >= start) & (place < end)
         else:
             chosen = (place >= start) | (place < end - size)
-        # a pass over the partition, not a sort of the k offsets (the same ascending offsets)
-        offsets = chosen.nonzero().squeeze(1)
+        # a pass over the partition, not a sort of the k offsets (the same ascending offsets);
+        # exactly k places are in the window, and a static size keeps a GPU from syncing here
+        offsets = torch.nonzero_static(chosen, size=k).squeeze(1)
         self.cycle_position = end % size
         starts = torch.arange(self.layout.num_partitions, device=self.device) * size
         return (starts[:, None] + offsets[None, :]).reshape(-1)
