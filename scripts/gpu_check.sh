@@ -10,8 +10,8 @@
 #      MFU (against the dense bf16 peak) are printed.
 #   2. The Triton SCAPE kernels against their PyTorch references on CUDA tensors, and AdamS with
 #      the fused kernel against the reference AdamS.
-#   3. A one-rank SCAPE-99 run of train.py on the GPU (the embedded corpus): it must complete with a
-#      finite validation loss.
+#   3. One-rank runs of train.py on the GPU (the embedded corpus), SCAPE-99 and sparse averaging's
+#      default (2-bit codec, cyclic mask): each must complete with a finite validation loss.
 # Without CUDA it refuses at once (exit 2) with the torch build it found and the fix.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -157,26 +157,41 @@ for step in range(3):
     ref.step()
 for i, (a, b) in enumerate(zip(fused_params, ref_params)):
     check(f"AdamS fused kernel vs reference, tensor {i}", a.detach(), b.detach())
+# sparse averaging's 2-bit codec: the sender's read-back is what a receiver decodes, bit for bit;
+# against the CPU the block scales may differ in rounding (another summation order), so nearly
+# all, not all, scales and code bytes must agree
+from scape.quantize import dequantize, quantize
+drift = 1e-3 * torch.randn(n, device=dev, generator=gen)
+for bits in (1, 2, 4):
+    codes, scales, read_back = quantize(drift, bits, torch.bfloat16)
+    check(f"quantize {bits}-bit: read-back = dequantize", read_back, dequantize(codes, scales, bits, n), exact=True)
+    cpu_codes, cpu_scales, _ = quantize(drift.cpu(), bits, torch.bfloat16)
+    same = min((codes.cpu() == cpu_codes).float().mean().item(), (scales.cpu() == cpu_scales).float().mean().item())
+    print(f"quantize {bits}-bit: {same:.4%} of code bytes and scales as on the CPU: {'ok' if same > 0.999 else 'MISMATCH'}")
+    if same <= 0.999:
+        bad.append(f"quantize {bits}-bit against the CPU")
 sys.exit(1 if bad else 0)
 PY
 
-section "3. one-rank SCAPE-99 run of train.py on the GPU"
-out=$(mktemp -d)
-if python train.py +experiment=tiny_scape99 train.device=cuda train.precision=bf16 logger=console \
-        data.embedded_docstrings=false train.steps=30 train.log_every=10 train.eval_every=0 train.ckpt_every=0 \
-        "out_dir=$out" run_name=gpu_check_scape99; then
-    python - "$out/gpu_check_scape99/summary.json" <<'PY' || failures=$((failures + 1))
+section "3. one-rank runs of train.py on the GPU: SCAPE-99 and sparse averaging (the 99% default)"
+for experiment in tiny_scape99 tiny_sma99; do
+    out=$(mktemp -d)
+    if python train.py +experiment=$experiment train.device=cuda train.precision=bf16 logger=console \
+            data.embedded_docstrings=false train.steps=30 train.log_every=10 train.eval_every=0 train.ckpt_every=0 \
+            "out_dir=$out" run_name=gpu_check; then
+        python - "$out/gpu_check/summary.json" $experiment <<'PY' || failures=$((failures + 1))
 import json, math, sys
 summary = json.load(open(sys.argv[1]))
-print(f"SCAPE-99 one rank: state {summary['state']}, validation loss {summary['final_val_loss']}, "
+print(f"{sys.argv[2]} one rank: state {summary['state']}, validation loss {summary['final_val_loss']}, "
       f"{summary['wall_time_s']:.1f} s")
 sys.exit(0 if summary["state"] == "completed" and math.isfinite(summary["final_val_loss"]) else 1)
 PY
-else
-    echo "MISMATCH the SCAPE run failed" >&2
-    failures=$((failures + 1))
-fi
-rm -rf "$out"
+    else
+        echo "MISMATCH the $experiment run failed" >&2
+        failures=$((failures + 1))
+    fi
+    rm -rf "$out"
+done
 
 echo
 if ((failures)); then
