@@ -17,6 +17,8 @@ from typing import Tuple
 
 import torch
 
+from scape import kernels
+
 BLOCK = 64
 STEP_PER_RMS = {1: 1.596, 2: 0.9957, 4: 0.3352}
 BITS = tuple(STEP_PER_RMS)
@@ -31,36 +33,13 @@ def _shifts(bits: int, device) -> torch.Tensor:
     return torch.arange(0, 8, bits, dtype=torch.uint8, device=device)
 
 
-def _blocks(values: torch.Tensor) -> torch.Tensor:
-    """``values`` as rows of BLOCK, zero-padded at the end (a view when the length allows)."""
-    count = values.numel()
-    padded = math.ceil(count / BLOCK) * BLOCK
-    if padded == count and values.is_contiguous():
-        return values.view(-1, BLOCK)
-    blocks = torch.zeros(padded, dtype=torch.float32, device=values.device)
-    blocks[:count] = values
-    return blocks.view(-1, BLOCK)
-
-
 def quantize(values: torch.Tensor, bits: int,
              scale_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(packed codes as uint8, one scale per block in ``scale_dtype``, the values they read back
     as) of a 1-D fp32 tensor. The read-back equals ``dequantize`` of the first two, bit for bit:
-    the sender's error feedback needs it and need not unpack what it just packed."""
-    count = values.numel()
-    blocks = _blocks(values)
-    # the scale is rounded to what travels first, so that both ends read the same step
-    scale = blocks.square().mean(dim=1).sqrt_().mul_(STEP_PER_RMS[bits]).to(scale_dtype)
-    step = scale.float()[:, None]
-    half = 2 ** (bits - 1)
-    codes = torch.div(blocks, torch.where(step > 0, step, 1.0)).floor_().add_(half).clamp_(0, 2 ** bits - 1)
-    read_back = (codes - (half - 0.5)).mul_(step).view(-1)[:count]
-    per_byte = 8 // bits
-    codes = codes.view(-1)[:math.ceil(count / per_byte) * per_byte].to(torch.uint8).view(-1, per_byte)
-    packed = codes[:, 0].clone()
-    for place in range(1, per_byte):  # code j of a byte in its bits [j b, (j + 1) b)
-        packed.bitwise_or_(codes[:, place] << (place * bits))
-    return packed, scale, read_back
+    the sender's error feedback needs it and need not unpack what it just packed. One pass of a
+    Triton kernel on CUDA (``scape.kernels``), the PyTorch reference elsewhere."""
+    return kernels.quantize_blocks(values, bits, STEP_PER_RMS[bits], BLOCK, scale_dtype)
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, bits: int, count: int) -> torch.Tensor:

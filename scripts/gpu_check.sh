@@ -157,9 +157,10 @@ for step in range(3):
     ref.step()
 for i, (a, b) in enumerate(zip(fused_params, ref_params)):
     check(f"AdamS fused kernel vs reference, tensor {i}", a.detach(), b.detach())
-# sparse averaging's 2-bit codec: the sender's read-back is what a receiver decodes, bit for bit;
-# against the CPU the block scales may differ in rounding (another summation order), so nearly
-# all, not all, scales and code bytes must agree
+# sparse averaging's 2-bit codec (on CUDA the fused Triton kernel, on the CPU the PyTorch
+# reference): the sender's read-back is what a receiver decodes, bit for bit; against the CPU the
+# block scales may differ in rounding (another summation order), so nearly all, not all, scales
+# and code bytes must agree
 from scape.quantize import dequantize, quantize
 drift = 1e-3 * torch.randn(n, device=dev, generator=gen)
 for bits in (1, 2, 4):

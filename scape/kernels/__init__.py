@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -54,6 +54,11 @@ def adams_dense_update(param: torch.Tensor, momentum: torch.Tensor, grad: torch.
                        weight_decay: float, decay_end: int) -> None:
     _backend(param).adams_dense_update(param, momentum, grad, lr, beta1, beta2, eps,
                                        bias_correction, weight_decay, decay_end)
+
+
+def quantize_blocks(values: torch.Tensor, bits: int, step_per_rms: float, block: int,
+                    scale_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backend(values).quantize_blocks(values, bits, step_per_rms, block, scale_dtype)
 
 
 def set_bit_positions(packed: torch.Tensor) -> torch.Tensor:

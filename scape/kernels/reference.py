@@ -5,8 +5,9 @@ arguments in place (like the Triton versions) so the two are drop-in replacement
 """
 from __future__ import annotations
 
+import math
 import sys
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -122,3 +123,28 @@ def adams_dense_update(param: torch.Tensor, momentum: torch.Tensor, grad: torch.
     denom.addcmul_(grad, grad, value=1.0 - beta2).sqrt_().add_(eps)
     momentum.mul_(beta1).add_(grad, alpha=1.0 - beta1)
     param.addcdiv_(momentum / bias_correction, denom, value=-lr)
+
+
+def quantize_blocks(values: torch.Tensor, bits: int, step_per_rms: float, block: int,
+                    scale_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``scape.quantize.quantize``: (packed codes, one scale per block, the values they read back as)."""
+    count = values.numel()
+    padded = math.ceil(count / block) * block
+    if padded == count and values.is_contiguous():
+        blocks = values.view(-1, block)
+    else:  # zero-padded at the end
+        blocks = torch.zeros(padded, dtype=torch.float32, device=values.device)
+        blocks[:count] = values
+        blocks = blocks.view(-1, block)
+    # the scale is rounded to what travels first, so that both ends read the same step
+    scale = blocks.square().mean(dim=1).sqrt_().mul_(step_per_rms).to(scale_dtype)
+    step = scale.float()[:, None]
+    half = 2 ** (bits - 1)
+    codes = torch.div(blocks, torch.where(step > 0, step, 1.0)).floor_().add_(half).clamp_(0, 2 ** bits - 1)
+    read_back = (codes - (half - 0.5)).mul_(step).view(-1)[:count]
+    per_byte = 8 // bits
+    codes = codes.view(-1)[:math.ceil(count / per_byte) * per_byte].to(torch.uint8).view(-1, per_byte)
+    packed = codes[:, 0].clone()
+    for place in range(1, per_byte):  # code j of a byte in its bits [j b, (j + 1) b)
+        packed.bitwise_or_(codes[:, place] << (place * bits))
+    return packed, scale, read_back

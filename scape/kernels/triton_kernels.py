@@ -6,7 +6,7 @@ touched element). They are tested against ``reference`` on CPU with ``TRITON_INT
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -103,6 +103,38 @@ def _adams_dense_kernel(param_ptr, momentum_ptr, grad_ptr, n, lr, beta1, beta2, 
     tl.store(momentum_ptr + i, m, mask=valid)
 
 
+@triton.jit
+def _quantize_kernel(values_ptr, packed_ptr, scale_ptr, read_back_ptr, count, n_packed, n_blocks,
+                     step_per_rms, BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                     SCALE_BF16: tl.constexpr):
+    # ROWS blocks of BLOCK values a program: the scale, the codes, their read-back and the packed
+    # bytes in one read of the values (the reference takes a pass for each)
+    PER_BYTE: tl.constexpr = 8 // BITS
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    i = row[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    valid = i < count
+    v = tl.load(values_ptr + i, mask=valid, other=0.0)  # a partial last block: zero-padded
+    scale = tl.sqrt_rn(tl.sum(v * v, axis=1) / BLOCK) * step_per_rms
+    if SCALE_BF16:  # round to nearest even on the bits, as torch's cast (see _gather_and_clear)
+        bits = scale.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        tl.store(scale_ptr + row, (rounded >> 16).to(tl.int16), mask=row < n_blocks)
+        scale = rounded.to(tl.float32, bitcast=True)
+    else:
+        tl.store(scale_ptr + row, scale, mask=row < n_blocks)
+    step = scale[:, None]
+    half = 2 ** (BITS - 1)
+    codes = tl.floor(tl.div_rn(v, tl.where(step > 0, step, 1.0))) + half
+    codes = tl.minimum(tl.maximum(codes, 0.0), 2 ** BITS - 1)
+    tl.store(read_back_ptr + i, (codes - (half - 0.5)) * step, mask=valid)
+    # code j of a byte in its bits [j b, (j + 1) b)
+    grouped = tl.reshape(codes.to(tl.int32), (ROWS, BLOCK // PER_BYTE, PER_BYTE))
+    shifts = tl.arange(0, PER_BYTE) * BITS
+    packed = tl.sum(grouped << shifts[None, None, :], axis=2)
+    byte = row[:, None] * (BLOCK // PER_BYTE) + tl.arange(0, BLOCK // PER_BYTE)[None, :]
+    tl.store(packed_ptr + byte, packed.to(tl.uint8), mask=byte < n_packed)
+
+
 def pack_bits(mask: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     n_bytes = out.numel()
     _pack_bits_kernel[(triton.cdiv(n_bytes, _BYTE_BLOCK),)](mask.view(torch.uint8), out, n_bytes,
@@ -150,3 +182,21 @@ def adams_dense_update(param: torch.Tensor, momentum: torch.Tensor, grad: torch.
     _adams_dense_kernel[(triton.cdiv(n, _BLOCK),)](
         param, momentum, grad, n, lr, beta1, beta2, eps, bias_correction,
         1.0 - lr * weight_decay, decay_end, BLOCK=_BLOCK)
+
+
+def quantize_blocks(values: torch.Tensor, bits: int, step_per_rms: float, block: int,
+                    scale_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if scale_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"quantized scales travel as bf16 or fp32, not {scale_dtype}")
+    count = values.numel()
+    n_blocks, n_packed = triton.cdiv(count, block), triton.cdiv(count * bits, 8)
+    packed = torch.empty(n_packed, dtype=torch.uint8, device=values.device)
+    scale = torch.empty(n_blocks, dtype=scale_dtype, device=values.device)
+    read_back = torch.empty(count, dtype=torch.float32, device=values.device)
+    if count:
+        rows = 16
+        _quantize_kernel[(triton.cdiv(n_blocks, rows),)](
+            values.contiguous(), packed, scale.view(torch.int16) if scale_dtype == torch.bfloat16 else scale,
+            read_back, count, n_packed, n_blocks, step_per_rms, BITS=bits, BLOCK=block, ROWS=rows,
+            SCALE_BF16=scale_dtype == torch.bfloat16)
+    return packed, scale, read_back
