@@ -161,6 +161,19 @@ def _take(buffer: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
     return buffer.clone() if mask is None else buffer.index_select(0, mask)
 
 
+def default_step_bound(beta2: float, copies: int) -> float:
+    """The clamp of a local step over the shared denominator, in lr: sqrt(C / (1 - b2)) on C copies.
+
+    1 / sqrt(1 - b2) is the furthest AdamS moves a coordinate in one step (|m| / sqrt(v) with v the
+    average of m^2): the bound of a single copy. D is the scale of the *mean* momentum over the C
+    copies, while each copy's momentum holds the gradient noise of 1 / C of the batch: where noise
+    dominates |m_i| / D is sqrt(C) times what it is at one copy, so a fixed bound clamps more
+    coordinates the more copies are averaged. Scaled by sqrt(C), the bound clamps a copy's step
+    where AdamS on that copy's own share of the batch would be at its largest.
+    """
+    return math.sqrt(copies) / math.sqrt(1.0 - beta2)
+
+
 class _SharedNormalizer:
     """``normalizer=shared``: one replicated denominator D for every rank's local step.
 
@@ -180,17 +193,17 @@ class _SharedNormalizer:
     momentum, one step late (AdaMomentum's normaliser). Step 1 all-reduces the clipped gradient
     once: its mean starts D (D = |mean g|) and is every rank's step-1 gradient, so step 1 is one
     dense sign step and the copies start equal. A local step is clamped at AdamS's largest step
-    (see ``local_step``). Costs three replicated buffers
+    on a copy's share of the batch (see ``local_step``). Costs three replicated buffers
     (the raw average, the lr sum, the last exchange's step) and no bytes after step 1.
     """
 
     def __init__(self, like: torch.Tensor, beta: float, eps: float, max_covered: Optional[float] = None,
-                 bound: float = 0.0) -> None:
+                 bound: float = 0.0, copies: int = 1) -> None:
         self.beta, self.eps = beta, eps
         # normalizer=revealed: one revealed momentum is one sample, worth at most the momentum's
         # correlation time 1 / (1 - b1) of steps however long the interval was
         self.max_covered = max_covered
-        self.bound = bound or 1.0 / math.sqrt(1.0 - beta)
+        self.bound = bound or default_step_bound(beta, copies)
         self.second = torch.zeros_like(like)  # the average of q^2, not bias-corrected
         self.lr_sum = torch.zeros_like(like)  # learning rates summed since the last exchange
         self.last = torch.zeros(like.numel(), dtype=torch.int32, device=like.device)
@@ -245,8 +258,8 @@ class _SharedNormalizer:
         the step is y -= lr clamp((b1 M + (1 - b1) g) / D, +-c), with no bias correction (M
         starts at the mean gradient of step 1).
 
-        c = 1 / sqrt(1 - beta2) is the furthest AdamS moves a coordinate in one step (its first
-        step). It binds where this rank's momentum is far above the shared scale: a coordinate
+        c = sqrt(C / (1 - beta2)) on C copies (``default_step_bound``; ``optimizer.step_bound``
+        sets it by hand). It binds where this rank's momentum is far above the shared scale: a coordinate
         whose D is still tiny, and -- at long exchange intervals, where q's average over the
         interval shrinks D under noise -- most coordinates late in training at 99% sparsity
         (docs/RESULTS.md), whose local steps are then sign steps. Logged as
@@ -338,7 +351,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self.consensus_momentum = cfg.local_momentum == "consensus"
         self.normalizer = _SharedNormalizer(
             self.consensus, float(cfg.betas[1]), float(cfg.eps),
-            1.0 / (1.0 - float(cfg.betas[0])) if self.revealed else None, float(cfg.step_bound),
+            1.0 / (1.0 - float(cfg.betas[0])) if self.revealed else None, float(cfg.step_bound), self.copies,
         ) if cfg.normalizer in ("shared", "revealed", "oracle") or momentum_exchange else None
         # exchange=momentum: A_i, this rank's lr-weighted sum of its bias-corrected momentum
         # since each coordinate's last exchange (what the ranks average instead of the drift)

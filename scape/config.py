@@ -68,8 +68,9 @@ class OptimizerConfig(DenseOptimizerConfig):
     # to the GPUs per node and the sparse exchange runs between nodes only, among fewer copies
     # (consecutive ranks form a copy; the exchange group is one rank of each copy)
     ranks_per_copy: int = 1
-    # shared / revealed: the bound on a local step's |(m / bc) / D|; 0 = 1 / sqrt(1 - b2), AdamS's
-    # largest step (a small bound makes the local steps sign steps of size lr * bound)
+    # shared / revealed: the bound on a local step's |(m / bc) / D|; 0 = sqrt(copies / (1 - b2)),
+    # AdamS's largest step on one copy's share of the batch (a small bound makes the local steps
+    # sign steps of size lr * bound)
     step_bound: float = 0.0
     # what the all-reduce averages: the drift y_i - x (the copies' mean becomes the consensus), or
     # momentum: each rank's lr-weighted sum of its momentum since the coordinate's last exchange,

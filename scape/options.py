@@ -105,7 +105,7 @@ def validate_config(cfg: OptimizerConfig) -> None:
     _choice("exchange", cfg.exchange, EXCHANGES)
     if not (isinstance(cfg.step_bound, (int, float)) and math.isfinite(cfg.step_bound) and cfg.step_bound >= 0):
         raise ValueError(f"optimizer.step_bound={cfg.step_bound!r} must be a number >= 0 "
-                         f"(0 = 1 / sqrt(1 - b2), AdamS's largest step)")
+                         f"(0 = sqrt(copies / (1 - b2)), AdamS's largest step on a copy's share of the batch)")
     _choice("average_momentum", cfg.average_momentum, (True, False))
     if cfg.average_momentum and cfg.exchange == "momentum":
         raise ValueError("optimizer.average_momentum=true snaps the momenta where the drifts are averaged; "

@@ -94,10 +94,13 @@ ARMS: Dict[str, Arm] = {arm.name: arm for arm in [
 # sparse model averaging; any other rule is composed from its name (compose_arm). The sma arms
 # keep the bf16 drifts they were measured with (the rule before quantized drifts became the
 # default, and the sparsity warm-up of 5 lr warm-ups, not a third of the run); sma99q is the
-# 2-bit rule at bf16-at-99%'s bytes (the default of the seventh session), sma99s optimizer=sparse_avg
-# as it ships (the same rule at SCAPE-99's bytes).
+# 2-bit rule at bf16-at-99%'s bytes (the default of the seventh session), sma99s the same rule at
+# SCAPE-99's bytes (the default of the eighth to eleventh sessions), sma99c optimizer=sparse_avg as
+# it ships (sma99s with the local steps' bound following the copies). Every sma arm before sma99c
+# keeps the bound it was measured with, AdamS's largest step 1 / sqrt(1 - b2) on any copy count.
+_BOUND_BEFORE = ("optimizer.step_bound=4.47213595499958",)
 _BF16_DRIFTS = ("optimizer.value_bits=0", "optimizer.quantized_collective=all_gather",
-                "optimizer.sparsity_warmup_steps=100")
+                "optimizer.sparsity_warmup_steps=100", *_BOUND_BEFORE)
 for _pct, _sparsity in (("90", "0.9"), ("99", "0.99")):
     ARMS[f"scape{_pct}_spec"] = Arm(f"scape{_pct}_spec", f"SCAPE-{_pct}, the spec's rule",
                                     ("optimizer=scape_spec", f"optimizer.sparsity={_sparsity}"),
@@ -110,13 +113,18 @@ ARMS["sma0"] = Arm("sma0", "sparse model averaging, density 1",
                    ("optimizer=sparse_avg", "optimizer.sparsity=0.0", *_BF16_DRIFTS),
                    "every drift averaged every step: what the local steps + averaging cost without sparsity", False)
 ARMS["sma99q"] = Arm("sma99q", "sparse model averaging at 99%'s bytes, 2-bit drifts",
-                     ("optimizer=sparse_avg", "optimizer.sparsity=0.929"),
+                     ("optimizer=sparse_avg", "optimizer.sparsity=0.929", *_BOUND_BEFORE),
                      "optimizer=sparse_avg's defaults until 2026-12-02 07:40 UTC: 2-bit drifts on 7.1% of the "
                      "coordinates a step, a compressed all-reduce, the bytes of bf16 drifts at 99%", False)
 ARMS["sma99s"] = Arm("sma99s", "sparse model averaging at SCAPE-99's bytes, 2-bit drifts",
-                     ("optimizer=sparse_avg", "optimizer.sparsity=0.787"),
-                     "optimizer=sparse_avg as it ships since 2026-12-02 07:40 UTC: 2-bit drifts on 21% of the "
-                     "coordinates a step, a compressed all-reduce, SCAPE-99's bytes per step", False)
+                     ("optimizer=sparse_avg", "optimizer.sparsity=0.787", *_BOUND_BEFORE),
+                     "optimizer=sparse_avg's defaults from 2026-12-02 07:40 UTC to the bound that follows the "
+                     "copies: 2-bit drifts on 21% of the coordinates a step, a compressed all-reduce, SCAPE-99's "
+                     "bytes per step, local steps bounded at AdamS's largest step", False)
+ARMS["sma99c"] = Arm("sma99c", "sparse model averaging at SCAPE-99's bytes, bound by the copies",
+                     ("optimizer=sparse_avg",),
+                     "optimizer=sparse_avg as it ships: sma99s with the local steps bounded at "
+                     "sqrt(copies / (1 - b2)), AdamS's largest step on one copy's share of the batch", False)
 
 
 # Composed SCAPE arms, named by their recipe: scape99+post+cap32+warm20 (see compose_arm).
@@ -167,7 +175,7 @@ _PARTS = {
 def compose_arm(name: str) -> Optional[Arm]:
     """An arm named by its recipe, ``base+part+part...``: base scape90 / scape99 (the spec's rule at
     that sparsity), sma90 / sma99 (sparse model averaging, bf16 drifts), sma99q / sma99s (2-bit drifts at
-    bf16-at-99%'s / SCAPE-99's bytes; sma99s is optimizer=sparse_avg's defaults) or adams / adamw; parts: post, capN /
+    bf16-at-99%'s / SCAPE-99's bytes, the bound 1 / sqrt(1 - b2)), sma99c (optimizer=sparse_avg's defaults) or adams / adamw; parts: post, capN /
     lrsumN (catch-up capped at N; 0 = 1 / density), warmN, clip, noclip, lrX, and for sparse
     averaging omX / olrX (outer Nesterov momentum / outer lr), dev / rand / cyc / topk (mask rule), shnorm / rvnorm / lnorm (one shared
     denominator from the drift / from momenta sent beside it / each rank's own), ornorm (D from every
@@ -182,7 +190,7 @@ def compose_arm(name: str) -> Optional[Arm]:
     elif base in ("sma90", "sma99"):
         overrides, label = (["optimizer=sparse_avg", f"optimizer.sparsity=0.{base[-2:]}", *_BF16_DRIFTS],
                             f"sparse avg {base[-2:]}%")
-    elif base in ("sma99q", "sma99s"):
+    elif base in ("sma99q", "sma99s", "sma99c"):
         overrides, label = list(ARMS[base].overrides), ARMS[base].label
     elif base in ("adams", "adamw"):
         overrides, label = [f"optimizer={base}"], {"adams": "AdamS", "adamw": "AdamW"}[base]
