@@ -30,8 +30,9 @@ STEPS, STOP = 10, 5
 # After the stop the resumed losses stay within this of the uninterrupted run's. Dense optimizers
 # have no per-rank state: only the order of the gradient sums differs. SCAPE starts every new rank
 # from the mean residual and sparse_avg from the mean copy, which changes the trajectory a little
-# (the loss falls by about 1.0 over these steps).
-TOLERANCE = {"adamw": 1e-5, "adams": 1e-5, "scape": 0.05, "scape_sharded": 0.05, "sparse_avg": 0.05, "sparse_avg_topk": 0.05,
+# (the loss falls by about 1.0 over these steps); sparse_avg's local-step bound also follows the
+# new number of copies (sqrt(copies / (1 - b2)): 6.32 on 2, 4.47 on 1), a larger change.
+TOLERANCE = {"adamw": 1e-5, "adams": 1e-5, "scape": 0.05, "scape_sharded": 0.05, "sparse_avg": 0.08, "sparse_avg_topk": 0.08,
              "sdp": 0.05}
 
 
