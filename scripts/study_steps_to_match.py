@@ -11,6 +11,7 @@ that does not fade; one above 1 is ahead of AdamS, below 1 behind.
 S is interpolated linearly in log(steps) between the two nearest AdamS lengths of --reference
 (each the mean of its seeds at its best lr; every seed on its own as well, paired by seed), and
 is not extrapolated: a loss outside the references' range gives null and the lengths to add.
+Studies of the same length, on either side, are merged seed by seed (one row per length).
 
     python scripts/study_steps_to_match.py --arm sma99s \\
         --reference docs/results/src300.json docs/results/src_adams375.json docs/results/src_adams450.json \\
@@ -63,23 +64,32 @@ def steps_to_reach(reference: Sequence[Tuple[int, float]], loss: float) -> Optio
     return None
 
 
-def match(references: Sequence[Path], methods: Sequence[Path], arm: str) -> dict:
-    ref_by_steps: Dict[int, Dict[str, float]] = {}
-    for path in references:
+def _by_length(paths: Sequence[Path], arm: str) -> Dict[int, Tuple[Dict[str, float], List[Path]]]:
+    """The arm's final losses per seed, gathered by run length over the studies.
+
+    A study often holds one seed (`--seeds 1` run on its own after the first), so the studies of
+    one length are merged; a seed that two of them both ran is refused rather than picked."""
+    merged: Dict[int, Tuple[Dict[str, float], List[Path]]] = {}
+    for path in paths:
         study = _study(path)
         steps = int(study["settings"]["steps"])
-        if steps in ref_by_steps:
-            raise SystemExit(f"error: two references ran {steps} steps ({path} is the second). Pass "
-                             f"one study per length.")
-        ref_by_steps[steps] = _seed_losses(study, REFERENCE_ARM, path)
+        losses, sources = merged.setdefault(steps, ({}, []))
+        for seed, loss in _seed_losses(study, arm, path).items():
+            if seed in losses:
+                raise SystemExit(f"error: seed {seed} of '{arm}' at {steps} steps is in two studies "
+                                 f"({sources[-1]} and {path}). Pass each run once.")
+            losses[seed] = loss
+        sources.append(path)
+    return merged
+
+
+def match(references: Sequence[Path], methods: Sequence[Path], arm: str) -> dict:
+    ref_by_steps = {steps: losses for steps, (losses, _) in _by_length(references, REFERENCE_ARM).items()}
     if len(ref_by_steps) < 2:
         raise SystemExit("error: --reference needs AdamS at two lengths or more to interpolate.")
     mean_ref = [(steps, sum(l.values()) / len(l)) for steps, l in ref_by_steps.items()]
     rows: List[dict] = []
-    for path in methods:
-        study = _study(path)
-        steps = int(study["settings"]["steps"])
-        losses = _seed_losses(study, arm, path)
+    for steps, (losses, sources) in sorted(_by_length(methods, arm).items()):
         mean = sum(losses.values()) / len(losses)
         matched = steps_to_reach(mean_ref, mean)
         per_seed = {}
@@ -88,7 +98,7 @@ def match(references: Sequence[Path], methods: Sequence[Path], arm: str) -> dict
             seed_steps = steps_to_reach(seed_ref, loss) if len(seed_ref) >= 2 else None
             per_seed[seed] = {"loss": loss, "adams_steps": seed_steps,
                               "ratio": None if seed_steps is None else seed_steps / steps}
-        rows.append({"study": str(path), "steps": steps, "loss": mean,
+        rows.append({"studies": [str(path) for path in sources], "steps": steps, "loss": mean,
                      "adams_steps": matched, "ratio": None if matched is None else matched / steps,
                      "per_seed": per_seed,
                      "note": None if matched is not None else

@@ -56,14 +56,35 @@ def test_a_loss_beyond_the_references_is_null_with_the_lengths_to_add(tmp_path):
     assert "outside AdamS's references" in row["note"] and "375 steps" in row["note"]
 
 
+def test_studies_of_one_length_merge_seed_by_seed(tmp_path):
+    """A second seed is often its own study: both sides merge by length, paired by seed."""
+    refs = [_write(tmp_path / "adams300.json", 300, {"adams": {"1337": _power_law(300), "1": _power_law(300) + 0.02}}),
+            _write(tmp_path / "adams1200.json", 1200, {"adams": {"1337": _power_law(1200)}}),
+            _write(tmp_path / "adams1200_s1.json", 1200, {"adams": {"1": _power_law(1200) + 0.02}})]
+    methods = [_write(tmp_path / "m600.json", 600, {"fast": {"1337": _power_law(750)}}),
+               _write(tmp_path / "m600_s1.json", 600, {"fast": {"1": _power_law(750) + 0.02}})]
+    out = match_steps.match(refs, methods, "fast")
+    assert out["reference"]["1200"] == pytest.approx(_power_law(1200) + 0.01)
+    (row,) = out["methods"]
+    assert row["steps"] == 600 and row["studies"] == [str(methods[0]), str(methods[1])]
+    assert row["loss"] == pytest.approx(_power_law(750) + 0.01)
+    assert set(row["per_seed"]) == {"1337", "1"}
+    assert all(seed["adams_steps"] is not None for seed in row["per_seed"].values())
+    # each seed is read against its own references: a constant shift of a seed's losses reads the same
+    assert row["per_seed"]["1"]["ratio"] == pytest.approx(row["per_seed"]["1337"]["ratio"], rel=1e-9)
+    assert row["ratio"] == pytest.approx(row["per_seed"]["1337"]["ratio"], rel=1e-9)
+    # a power law read log-linearly through two lengths only: above the true 750 / 600, not far
+    assert 1.25 < row["ratio"] < 1.4
+
+
 def test_bad_input_names_the_problem(tmp_path, capsys):
     ref = _write(tmp_path / "a.json", 300, {"adams": {"1337": 4.0}})
-    dup = _write(tmp_path / "b.json", 300, {"adams": {"1337": 4.1}})
+    dup = _write(tmp_path / "b.json", 300, {"adams": {"1337": 4.1}})  # seed 1337 at 300 steps again
     method = _write(tmp_path / "m.json", 300, {"fast": {"1337": 4.0}})
     with pytest.raises(SystemExit, match="no arm 'slow'.*it has fast"):
         match_steps.match([ref, _write(tmp_path / "c.json", 600, {"adams": {"1337": 3.5}})], [method], "slow")
-    with pytest.raises(SystemExit, match="two references ran 300 steps"):
-        match_steps.match([ref, dup], [method], "fast")
+    with pytest.raises(SystemExit, match="seed 1337 of 'adams' at 300 steps is in two studies.*a.json and .*b.json"):
+        match_steps.match([ref, dup, _write(tmp_path / "c.json", 600, {"adams": {"1337": 3.5}})], [method], "fast")
     with pytest.raises(SystemExit, match="two lengths or more"):
         match_steps.match([ref], [method], "fast")
     (tmp_path / "broken.json").write_text("{")
