@@ -70,14 +70,16 @@ def _by_length(paths: Sequence[Path], arm: str) -> Dict[int, Tuple[Dict[str, flo
     A study often holds one seed (`--seeds 1` run on its own after the first), so the studies of
     one length are merged; a seed that two of them both ran is refused rather than picked."""
     merged: Dict[int, Tuple[Dict[str, float], List[Path]]] = {}
+    origin: Dict[Tuple[int, str], Path] = {}
     for path in paths:
         study = _study(path)
         steps = int(study["settings"]["steps"])
         losses, sources = merged.setdefault(steps, ({}, []))
         for seed, loss in _seed_losses(study, arm, path).items():
-            if seed in losses:
+            if (steps, seed) in origin:
                 raise SystemExit(f"error: seed {seed} of '{arm}' at {steps} steps is in two studies "
-                                 f"({sources[-1]} and {path}). Pass each run once.")
+                                 f"({origin[steps, seed]} and {path}). Pass each run once.")
+            origin[steps, seed] = path
             losses[seed] = loss
         sources.append(path)
     return merged
