@@ -96,6 +96,9 @@ def test_composed_arms_follow_their_recipe_and_bad_names_are_refused():
     bounded = dict(i.split("=", 1) for i in study.compose_arm("sma99s+bound13").overrides)
     assert bounded["optimizer.step_bound"] == "13" and bounded["optimizer.sparsity"] == "0.787"
     assert "optimizer.step_bound" not in dict(i.split("=", 1) for i in study.compose_arm("sma99c+sp0.9").overrides)
+    # the all-gather part undoes the shipped compressed all-reduce (a later override wins)
+    gathered = dict(i.split("=", 1) for i in study.compose_arm("sma99c+sp0+q0+ag").overrides)
+    assert (gathered["optimizer.quantized_collective"], gathered["optimizer.value_bits"]) == ("all_gather", "0")
     for bad in ("scape99", "scape99+cap", "scape99+post7", "scape50+post", "bsdp50+post"):
         assert study.compose_arm(bad) is None, bad
     with pytest.raises(SystemExit):
