@@ -344,6 +344,15 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self.value_dtype = torch.bfloat16 if cfg.value_dtype == "bf16" else torch.float32
         self.value_bits = int(cfg.value_bits)  # 0: value_dtype values; else codes (value_dtype scales)
         self.quantized_collective = cfg.quantized_collective
+        # requantization_error=owner: the owner's pending error of its chunk's mean, over the chunk
+        # of the flat layout this copy owns in the compressed all-reduce (1 / C of it, from
+        # mean_error_start); the copies' mean model is x + mean_i d_i + this, summed over the owners
+        self.mean_error: Optional[torch.Tensor] = None
+        self.mean_error_start = 0
+        if cfg.requantization_error == "owner":
+            region = self.layout.padded_numel // self.copies
+            self.mean_error_start = self.exchange_comm.rank() * region
+            self.mean_error = torch.zeros(region, dtype=torch.float32, device=self.device)
         momentum_exchange = cfg.exchange == "momentum"
         self.revealed = cfg.normalizer == "revealed"
         self.oracle = cfg.normalizer == "oracle"
@@ -392,7 +401,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             else:
                 sent = y - x if mask is None else y.index_select(0, mask) - x.index_select(0, mask)
         if self.value_bits:
-            mean, kept = self._exchange_quantized(sent, count)
+            mean, kept = self._exchange_quantized(sent, count, mask)
         else:
             payload = torch.empty(count + revealed + 1, dtype=self.value_dtype, device=self.device)
             if count:
@@ -451,7 +460,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             snapped = x.index_select(0, mask)
             kernels.scatter(y, mask, snapped if kept is None else snapped.add_(kept))
 
-    def _exchange_quantized(self, sent: Optional[torch.Tensor], count: int):
+    def _exchange_quantized(self, sent: Optional[torch.Tensor], count: int, mask: Optional[torch.Tensor]):
         """value_bits: (the mean of the copies' quantized drifts, what this copy keeps of them).
 
         quantized_collective=all_gather: ONE all-gather (kind scape_values) of every rank's packed
@@ -465,7 +474,10 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         which averages them, quantizes the mean again and all-gathers those codes (with the norm)
         to every rank. What the second quantization leaves out goes into the owner's own copy, C
         times over, so the mean of the copies is not changed by the exchange and the owner's next
-        drift sends it again (error feedback through the copy: no state of its own).
+        drift sends it again (error feedback through the copy: no state of its own); with
+        requantization_error=owner it stays in the owner's buffer instead and is added to the
+        mean of those coordinates the next time they are exchanged (``mask``: the exchanged
+        coordinates, None for all), so the copies do not carry it.
         """
         bits, scale_dtype, copies = self.value_bits, self.value_dtype, self.copies
         norm = self._local_norm.square().float().reshape(1).view(torch.uint8)
@@ -510,6 +522,11 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         for row in received.view(copies, -1):
             mean_here.add_(decode(row, chunk))
         mean_here.div_(copies)
+        if self.mean_error is not None:  # chunk `own` lies in the region the buffer covers
+            start = self.mean_error_start
+            mine = (torch.arange(chunk, device=self.device) if mask is None
+                    else mask[own * chunk:(own + 1) * chunk] - start)
+            mean_here.add_(self.mean_error.index_select(0, mine))
         row, own_mean = encode(mean_here)
         local = torch.cat([row, norm])
         gathered = torch.empty(copies * local.numel(), dtype=torch.uint8, device=self.device)
@@ -517,8 +534,10 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         rows = gathered.view(copies, -1)
         self._global_sq = rows[:, -4:].reshape(-1).clone().view(torch.float32).sum()
         mean = torch.cat([own_mean if copy == own else decode(row[:-4], chunk) for copy, row in enumerate(rows)])
-        # the owner's copy takes the second quantization's error, once for every copy
-        sent[own * chunk:(own + 1) * chunk].add_(mean_here.sub_(own_mean), alpha=copies)
+        if self.mean_error is not None:  # the owner keeps the second quantization's error
+            kernels.scatter(self.mean_error, mine, mean_here.sub_(own_mean))
+        else:  # the owner's copy takes it, once for every copy
+            sent[own * chunk:(own + 1) * chunk].add_(mean_here.sub_(own_mean), alpha=copies)
         return mean, sent
 
     def _consensus_momentum(self, mean_drift: torch.Tensor, mask: Optional[torch.Tensor], step: int) -> torch.Tensor:
@@ -642,6 +661,10 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             torch.abs(self.accumulated[own], out=self.score)
             return
         torch.sub(self.flat.data[own], self.consensus[own], out=self.score)
+        if self.mean_error is not None:  # what the mean still owes there (this rank's partitions
+            # lie in its copy's chunk of the compressed all-reduce)
+            start = self.layout.owned_start - self.mean_error_start
+            self.score.add_(self.mean_error[start:start + self.layout.owned_numel])
         if self.consensus_rate is not None:  # minus what the consensus is predicted to do
             age = (following - self.last_exchange[own]).float()
             self.score.sub_(self.consensus_rate[own] * age)
@@ -710,6 +733,9 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             # the exchange of step t + 1 covers the local steps up to t
             return self._consensus_update(mean_sum.div_(self.copies), None, self.step_count + 1)[0]
         drift = self.flat.data - self.consensus
+        if self.mean_error is not None:  # the owners' pending errors: C e_i, so the mean adds sum_i e_i
+            start = self.mean_error_start
+            drift[start:start + self.mean_error.numel()].add_(self.mean_error, alpha=self.copies)
         self.exchange_comm.all_reduce(drift, kind="average")
         return drift.div_(self.copies).add_(self.consensus)
 
@@ -807,6 +833,9 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
                  "rank": self.rank, "layout": self.masks.layout_record()}
         if self.accumulated is not None:
             state["accumulated"] = self.accumulated.detach().cpu().clone()
+        if self.mean_error is not None:
+            state.update(mean_error=self.mean_error.detach().cpu().clone(),
+                         mean_error_start=self.mean_error_start, copies=self.copies)
         return state
 
     def load_local_state_dict(self, state: Dict[str, Any]) -> None:
@@ -825,6 +854,16 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             self.optimizer.momentum.copy_(state["momentum"])
             if self.accumulated is not None:
                 self.accumulated.copy_(state["accumulated"])
+            # requantization_error: a pending error moves losslessly between its two homes (the
+            # owner's buffer, or C times into the owner's copy), so either setting resumes either
+            if self.mean_error is not None:
+                self.mean_error.zero_()
+            if "mean_error" in state:
+                error, start = state["mean_error"].to(self.device), int(state["mean_error_start"])
+                if self.mean_error is not None and start == self.mean_error_start:
+                    self.mean_error.copy_(error)
+                else:
+                    self.flat.data[start:start + error.numel()].add_(error, alpha=int(state["copies"]))
 
     def load_resharded_state(self, state: Dict[str, Any], shards: Any) -> None:
         """Elastic resume from a checkpoint of ``shards.world`` ranks (collective).
@@ -866,7 +905,13 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             if self.accumulated is not None and "accumulated" not in local:
                 raise ValueError("a rank's checkpoint file holds no momentum sums: it was written with "
                                  "optimizer.exchange=drift; resume with the exchange that wrote it")
-            return {key: local[key] for key in keys}
+            out = {key: local[key] for key in keys}
+            if "mean_error" in local:  # the owner's pending error joins its copy (C times): the
+                # mean of the old copies is then the average model, and no error is pending here
+                error, start = local["mean_error"], int(local["mean_error_start"])
+                out["params"] = out["params"].clone()
+                out["params"][start:start + error.numel()].add_(error, alpha=int(local["copies"]))
+            return out
 
         keys = ("params", "momentum") + (("accumulated",) if self.accumulated is not None else ())
         like = {key: torch.empty(old["padded_numel"]) for key in keys}

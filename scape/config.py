@@ -89,3 +89,9 @@ class OptimizerConfig(DenseOptimizerConfig):
     # which averages and quantizes again, then an all-gather: 2 (N - 1) / N x the payload, as an
     # all-reduce, so the bytes do not grow with the ranks)
     quantized_collective: str = "all_gather"
+    # compressed_all_reduce: where the owner's re-quantization error of a chunk's mean goes.
+    # copy: into the owner's own copy, C times (the copies' mean keeps it; that copy's drift sends
+    # it again, but the copy trains C times the error away from the others); owner: into a buffer
+    # over the owner's chunk, added to that chunk's next mean before it is quantized (1-bit
+    # Adam's server-side error feedback), so no copy carries it; one buffer of 1 / C of the model
+    requantization_error: str = "copy"

@@ -48,12 +48,13 @@ def as_dataclass(cfg) -> OptimizerConfig:
 # keys that only optimizer=sparse_avg reads (scape/averaging.py has the list the other way round)
 SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule", "normalizer", "exchange", "step_bound",
                         "average_momentum", "local_momentum", "density_lr_power", "min_sparsity",
-                        "ranks_per_copy", "value_bits", "quantized_collective")
+                        "ranks_per_copy", "value_bits", "quantized_collective", "requantization_error")
 LOCAL_MOMENTA = ("own", "consensus")
 MASK_RULES = ("drift", "deviation", "random", "cyclic")
 NORMALIZERS = ("local", "shared", "revealed", "oracle")
 EXCHANGES = ("drift", "momentum")
 QUANTIZED_COLLECTIVES = ("all_gather", "compressed_all_reduce")
+REQUANTIZATION_ERRORS = ("copy", "owner")
 
 
 def refuse_foreign_keys(cfg: OptimizerConfig, keys, owner: str, here: str) -> None:
@@ -137,6 +138,10 @@ def validate_config(cfg: OptimizerConfig) -> None:
     if cfg.quantized_collective != "all_gather" and not cfg.value_bits:
         raise ValueError(f"optimizer.quantized_collective={cfg.quantized_collective} says how quantized drifts "
                          f"travel; it needs optimizer.value_bits=1, 2 or 4")
+    _choice("requantization_error", cfg.requantization_error, REQUANTIZATION_ERRORS)
+    if cfg.requantization_error != "copy" and cfg.quantized_collective != "compressed_all_reduce":
+        raise ValueError(f"optimizer.requantization_error={cfg.requantization_error} says where the owners' second "
+                         f"quantization error goes; it needs optimizer.quantized_collective=compressed_all_reduce")
     if cfg.step_bound and cfg.normalizer == "local":
         raise ValueError(f"optimizer.step_bound={cfg.step_bound} bounds the steps over a shared denominator; "
                          f"it needs optimizer.normalizer=shared, revealed or oracle")

@@ -169,6 +169,8 @@ _PARTS = {
     "car": (("optimizer.quantized_collective=compressed_all_reduce",), "compressed all-reduce"),
     # ... all-gathered instead: every copy reads every copy's codes, no owner re-quantizes the mean
     "ag": (("optimizer.quantized_collective=all_gather",), "all-gathered codes"),
+    # ... the owners keep their mean's re-quantization error (added to the chunk's next mean)
+    "own": (("optimizer.requantization_error=owner",), "owner-side error feedback"),
     # sparse_avg's rule before the mask-rule study: the owner's top-k drifts, fp32 values
     "topk": (("optimizer.mask_rule=drift", "optimizer.value_dtype=fp32"), "top-k drift mask, fp32 values"),
 }
@@ -181,7 +183,7 @@ def compose_arm(name: str) -> Optional[Arm]:
     lrsumN (catch-up capped at N; 0 = 1 / density), warmN, clip, noclip, lrX, and for sparse
     averaging omX / olrX (outer Nesterov momentum / outer lr), dev / rand / cyc / topk (mask rule), shnorm / rvnorm / lnorm (one shared
     denominator from the drift / from momenta sent beside it / each rank's own), ornorm (D from every
-    coordinate's mean momentum each step: a decomposition tool), avgm (momenta averaged with the drifts), cmom (the local steps share one consensus momentum), momX (b1 = X, b2 the default 0.95), wdX (weight decay X), exmom (the consensus steps on the averaged momentum sums), invlrN (the density rises as the lr falls, sparsity at least N), withlr (it falls with the lr), rpcN (N ranks train one copy), qN (N-bit drifts with error feedback), car / ag (their compressed all-reduce / all-gather); spX sets the sparsity, bfloat the
+    coordinate's mean momentum each step: a decomposition tool), avgm (momenta averaged with the drifts), cmom (the local steps share one consensus momentum), momX (b1 = X, b2 the default 0.95), wdX (weight decay X), exmom (the consensus steps on the averaged momentum sums), invlrN (the density rises as the lr falls, sparsity at least N), withlr (it falls with the lr), rpcN (N ranks train one copy), qN (N-bit drifts with error feedback), car / ag (their compressed all-reduce / all-gather), own (the owners keep the re-quantization error); spX sets the sparsity, bfloat the
     value dtype. None if the name is
     not of that form."""
     base, *parts = name.split("+")

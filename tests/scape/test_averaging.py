@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import scape
+from core.checkpoint import RankShards
 from core.comm import Collectives, all_gather_bytes, all_reduce_bytes, all_to_all_bytes
 from core.flat import FlatParameters, param_groups
 from core.optim import AdamS
@@ -59,8 +60,8 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
     the lr of each step (a number: constant). ``cfg.ranks_per_copy`` consecutive ranks train one
     copy on the mean of their gradients; the world's partitions are scored by their owners.
 
-    Returns (x, [y_0, ..., y_{C-1}]) after every step, one y per copy (padded flat layout:
-    matrices first).
+    Returns (x, [y_0, ..., y_{C-1}], the model to evaluate) after every step, one y per copy
+    (padded flat layout: matrices first).
     """
     model = make_model()
     params = list(model.parameters())
@@ -87,6 +88,8 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
     bound = cfg.step_bound or (copies / (1 - b2)) ** 0.5  # AdamS's largest step on a copy's batch
     sums = [torch.zeros_like(x) for _ in range(copies)]
     second, lr_sum, last_sent, denom = torch.zeros_like(x), torch.zeros_like(x), torch.zeros_like(x), None
+    owner = cfg.requantization_error == "owner"  # the owners keep their mean's second quantization error
+    pending = torch.zeros_like(x)  # ... here, each copy's over its own chunk (they are disjoint)
     mask, history = None, []
     for t in range(1, steps + 1):
         lr = lr_of(t) if callable(lr_of) else lr_of
@@ -128,10 +131,15 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
                 drifts = sent
             delta = sum(drifts) / copies
             if cfg.value_bits and cfg.quantized_collective != "all_gather":
+                if owner:  # what the mean still owes there joins it before it is quantized again
+                    delta = delta + pending[sel]
                 parts = delta.chunk(copies)
                 again = torch.cat([quantized(part, cfg.value_bits, cfg.value_dtype) for part in parts])
-                for c, (part, requantized) in enumerate(zip(parts, again.chunk(copies))):
-                    kept[c][c * part.numel():(c + 1) * part.numel()] += copies * (part - requantized)
+                if owner:
+                    pending[sel] = delta - again
+                else:
+                    for c, (part, requantized) in enumerate(zip(parts, again.chunk(copies))):
+                        kept[c][c * part.numel():(c + 1) * part.numel()] += copies * (part - requantized)
                 delta = again
             if frozen:  # the mean step r = b1 M + (1 - b1) gbar, less the decay's share lr wd x
                 r = -(delta + torch.where(sel < decay_end, wd * x[sel] * lr_sum[sel], 0.0)) * denom[sel] / lr_sum[sel]
@@ -199,20 +207,21 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
                 window = order[[(position + j) % size for j in range(k)]]
                 position = (position + k) % size
                 mask = torch.cat([window + r * size for r in range(world)]).sort().values
-                history.append((x.clone(), [y.clone() for y in ys]))
+                history.append((x.clone(), [y.clone() for y in ys], sum(ys) / copies + pending))
                 continue
             scores = []
             for r in range(world):
                 if cfg.mask_rule == "random":
                     scores.append(torch.rand(size, generator=torch.Generator().manual_seed(1_000_003 * (t + 1) + r)))
                     continue
-                score = sums[r // group] if summed else ys[r // group] - x
+                score = sums[r // group] if summed else ys[r // group] - x + pending
                 if cfg.mask_rule == "deviation":
                     score = score - rate * (t + 1 - last)
                 scores.append(score[r * size:(r + 1) * size].abs())
             mask = torch.cat([torch.topk(score, k).indices + r * size
                               for r, score in enumerate(scores)]).sort().values
-        history.append((x.clone(), [y.clone() for y in ys]))
+        # the model to evaluate: the copies' mean, plus what the owners still owe it
+        history.append((x.clone(), [y.clone() for y in ys], sum(ys) / copies + pending))
     return history
 
 
@@ -245,7 +254,10 @@ REFERENCE_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.8, dense_warmup_steps=3
                      dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", value_bits=2,
                           quantized_collective="compressed_all_reduce", sparsity_warmup_steps=4),
                      dict(sparsity=0.97, value_bits=1, quantized_collective="compressed_all_reduce",
-                          dense_warmup_steps=3)]
+                          dense_warmup_steps=3),
+                     # the owner keeps its mean's second quantization error (the dense steps too)
+                     dict(sparsity=0.8, normalizer="shared", value_bits=2, quantized_collective="compressed_all_reduce",
+                          requantization_error="owner", dense_warmup_steps=3, value_dtype="bf16")]
 
 
 def decaying_lr(step: int) -> float:
@@ -262,7 +274,9 @@ COPY_CONFIGS = [dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", rank
                 dict(sparsity=0.9, ranks_per_copy=2, dense_warmup_steps=2),
                 # the default's exchange between the copies: 2-bit codes, compressed all-reduce
                 dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", ranks_per_copy=2, value_bits=2,
-                     quantized_collective="compressed_all_reduce", value_dtype="bf16", sparsity_warmup_steps=4)]
+                     quantized_collective="compressed_all_reduce", value_dtype="bf16", sparsity_warmup_steps=4),
+                dict(sparsity=0.8, normalizer="shared", ranks_per_copy=2, value_bits=2, value_dtype="bf16",
+                     quantized_collective="compressed_all_reduce", requantization_error="owner", dense_warmup_steps=2)]
 
 
 def _equals_reference(rank: int, world: int, configs=REFERENCE_CONFIGS) -> None:
@@ -280,11 +294,15 @@ def _equals_reference(rank: int, world: int, configs=REFERENCE_CONFIGS) -> None:
         # where D is tiny a local step of up to lr x bound carries that rounding, and the bound
         # grows with the copies: a few ulps of a step, not a step
         atol = 4e-6
-        for step, ((x, y), (ref_x, ref_ys)) in enumerate(zip(got, expected), start=1):
+        for step, ((x, y), (ref_x, ref_ys, _)) in enumerate(zip(got, expected), start=1):
             torch.testing.assert_close(x, ref_x, rtol=0, atol=atol, msg=f"x step {step} {overrides}")
             torch.testing.assert_close(y, ref_ys[rank // cfg.ranks_per_copy], rtol=0, atol=atol,
                                        msg=f"y_{rank} step {step} {overrides}")
         assert not torch.equal(got[-1][1], got[-1][0])  # the copies do drift from the consensus
+        if cfg.exchange == "drift":  # the model to evaluate: the copies' mean (with
+            # requantization_error=owner plus the pending errors; exchange=momentum steps instead)
+            torch.testing.assert_close(sync.averaged_weights(), expected[-1][2], rtol=0, atol=atol,
+                                       msg=f"average {overrides}")
         power = cfg.density_lr_power
         if power:  # the density moved with the falling lr (against it for power < 0), to its bound
             # the last steps' lr is 1/8 of the peak
@@ -513,7 +531,9 @@ RESUME_CONFIGS = [(dict(sparsity=0.9), 4),
                   # one copy of both ranks: the exchange group is a single rank
                   (dict(sparsity=0.9, mask_rule="cyclic", normalizer="shared", ranks_per_copy=2), 3),
                   (dict(sparsity=0.9, mask_rule="cyclic", normalizer="shared", value_bits=2, value_dtype="bf16",
-                        sparsity_warmup_steps=4), 3)]
+                        sparsity_warmup_steps=4), 3),
+                  (dict(sparsity=0.8, normalizer="shared", value_bits=2, value_dtype="bf16",
+                        quantized_collective="compressed_all_reduce", requantization_error="owner"), 3)]
 
 
 def _resume(rank: int, world: int) -> None:
@@ -541,6 +561,53 @@ def _resume(rank: int, world: int) -> None:
 
 def test_exact_resume_through_the_state_dicts():
     run_distributed(_resume, world_size=2)
+
+
+class _ShardsInMemory(RankShards):
+    """The old ranks' local states as ``RankShards`` serves them, without the files."""
+
+    def __init__(self, states) -> None:
+        self.world, self.states = len(states), states
+
+    def read(self, rank: int):
+        return self.states[rank]
+
+
+def _pending_error_keeps_the_average(rank: int, world: int) -> None:
+    owner = dict(sparsity=0.8, normalizer="shared", value_bits=2, value_dtype="bf16",
+                 quantized_collective="compressed_all_reduce", requantization_error="owner")
+    model = make_model()
+    sync = SparseAverageSynchronizer(model, avg_config(**owner))
+    train(model, sync, 5, rank)
+    assert sync.mean_error.abs().sum() > 0 and sync.mean_error.numel() == sync.layout.padded_numel // world
+    average = sync.averaged_weights()
+    saved = roundtrip({"model": sync.model_state_dict(), "replicated": sync.state_dict(),
+                       "local": sync.local_state_dict()})
+    locals_ = [None] * world
+    dist.all_gather_object(locals_, saved["local"])
+    # resumed with the error in the copy instead (requantization_error=copy), and back: the same
+    # average model, and the owner's copy carries C times its error
+    for setting in ("copy", "owner"):
+        fresh = SparseAverageSynchronizer(make_model(seed=9), avg_config(**{**owner, "requantization_error": setting}))
+        fresh.load_model_state_dict(saved["model"])
+        fresh.load_state_dict(saved["replicated"])
+        fresh.load_local_state_dict(saved["local"])
+        torch.testing.assert_close(fresh.averaged_weights(), average, rtol=0, atol=1e-6)
+        if setting == "copy":
+            start, error = sync.mean_error_start, saved["local"]["mean_error"]
+            torch.testing.assert_close(fresh.flat.data[start:start + error.numel()],
+                                       sync.flat.data[start:start + error.numel()] + world * error)
+    # on the elastic path every new rank starts from the old copies' mean with the errors in it
+    fresh = SparseAverageSynchronizer(make_model(seed=9), avg_config(**owner))
+    fresh.load_model_state_dict(saved["model"])
+    fresh.load_resharded_state(saved["replicated"], _ShardsInMemory(locals_))
+    assert torch.equal(fresh.mean_error, torch.zeros_like(fresh.mean_error))
+    torch.testing.assert_close(fresh.flat.data, average, rtol=0, atol=1e-6)
+    torch.testing.assert_close(fresh.averaged_weights(), average, rtol=0, atol=1e-6)
+
+
+def test_a_pending_requantization_error_is_in_the_average_on_resume_and_resharding():
+    run_distributed(_pending_error_keeps_the_average, world_size=2)
 
 
 def _bytes(rank: int, world: int) -> None:
@@ -739,6 +806,11 @@ def test_settings_are_checked_and_the_builders_dispatch():
         SparseAverageSynchronizer(make_model(), avg_config(quantized_collective="compressed_all_reduce"))
     with pytest.raises(ValueError, match="optimizer.quantized_collective='ring'"):
         SparseAverageSynchronizer(make_model(), avg_config(value_bits=2, quantized_collective="ring"))
+    with pytest.raises(ValueError, match="requantization_error=owner says where .* needs optimizer.quantized_collective"):
+        SparseAverageSynchronizer(make_model(), avg_config(value_bits=2, requantization_error="owner"))
+    with pytest.raises(ValueError, match="optimizer.requantization_error='server'"):
+        SparseAverageSynchronizer(make_model(), avg_config(value_bits=2, quantized_collective="compressed_all_reduce",
+                                                           requantization_error="server"))
     with pytest.raises(ValueError, match="optimizer.value_bits=2 is a sparse_avg option"):
         scape.build_synchronizer(make_model(), avg_config(name="scape", value_bits=2))
     summed = SparseAverageSynchronizer(make_model(), avg_config(exchange="momentum"))

@@ -99,6 +99,8 @@ def test_composed_arms_follow_their_recipe_and_bad_names_are_refused():
     # the all-gather part undoes the shipped compressed all-reduce (a later override wins)
     gathered = dict(i.split("=", 1) for i in study.compose_arm("sma99c+sp0+q0+ag").overrides)
     assert (gathered["optimizer.quantized_collective"], gathered["optimizer.value_bits"]) == ("all_gather", "0")
+    owner = dict(i.split("=", 1) for i in study.compose_arm("sma99c+own").overrides)
+    assert owner["optimizer.requantization_error"] == "owner"
     for bad in ("scape99", "scape99+cap", "scape99+post7", "scape50+post", "bsdp50+post"):
         assert study.compose_arm(bad) is None, bad
     with pytest.raises(SystemExit):

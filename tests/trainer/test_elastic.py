@@ -24,6 +24,8 @@ ARMS = {
     "scape_sharded": ["optimizer=scape", "optimizer.sparsity=0.9", "optimizer.shard=true"],
     "sparse_avg": ["optimizer=sparse_avg", "optimizer.sparsity=0.9"],  # cyclic mask (the default)
     "sparse_avg_topk": ["optimizer=sparse_avg", "optimizer.sparsity=0.9", "optimizer.mask_rule=drift"],  # all-gathered
+    # the owners' pending re-quantization errors join the mean copy
+    "sparse_avg_owner": ["optimizer=sparse_avg", "optimizer.sparsity=0.9", "optimizer.requantization_error=owner"],
     "sdp": ["optimizer=adams", "sdp=block", "sdp.coverage=0.5"],
 }
 STEPS, STOP = 10, 5
@@ -33,6 +35,7 @@ STEPS, STOP = 10, 5
 # (the loss falls by about 1.0 over these steps); sparse_avg's local-step bound also follows the
 # new number of copies (sqrt(copies / (1 - b2)): 6.32 on 2, 4.47 on 1), a larger change.
 TOLERANCE = {"adamw": 1e-5, "adams": 1e-5, "scape": 0.05, "scape_sharded": 0.05, "sparse_avg": 0.08, "sparse_avg_topk": 0.08,
+             "sparse_avg_owner": 0.08,
              "sdp": 0.05}
 
 
