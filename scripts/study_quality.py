@@ -95,9 +95,11 @@ ARMS: Dict[str, Arm] = {arm.name: arm for arm in [
 # keep the bf16 drifts they were measured with (the rule before quantized drifts became the
 # default, and the sparsity warm-up of 5 lr warm-ups, not a third of the run); sma99q is the
 # 2-bit rule at bf16-at-99%'s bytes (the default of the seventh session), sma99s the same rule at
-# SCAPE-99's bytes (the default of the eighth to eleventh sessions), sma99c optimizer=sparse_avg as
-# it ships (sma99s with the local steps' bound following the copies). Every sma arm before sma99c
-# keeps the bound it was measured with, AdamS's largest step 1 / sqrt(1 - b2) on any copy count.
+# SCAPE-99's bytes (the default of the eighth to eleventh sessions), sma99c sma99s with the local
+# steps' bound following the copies (the default of the eleventh to thirteenth sessions), sma99o
+# optimizer=sparse_avg as it ships (sma99c with the owners keeping their re-quantization error).
+# Every sma arm before sma99c keeps the bound it was measured with, AdamS's largest step
+# 1 / sqrt(1 - b2) on any copy count.
 _BOUND_BEFORE = ("optimizer.step_bound=4.47213595499958",)
 _BF16_DRIFTS = ("optimizer.value_bits=0", "optimizer.quantized_collective=all_gather",
                 "optimizer.sparsity_warmup_steps=100", *_BOUND_BEFORE)
@@ -122,9 +124,14 @@ ARMS["sma99s"] = Arm("sma99s", "sparse model averaging at SCAPE-99's bytes, 2-bi
                      "copies: 2-bit drifts on 21% of the coordinates a step, a compressed all-reduce, SCAPE-99's "
                      "bytes per step, local steps bounded at AdamS's largest step", False)
 ARMS["sma99c"] = Arm("sma99c", "sparse model averaging at SCAPE-99's bytes, bound by the copies",
+                     ("optimizer=sparse_avg", "optimizer.requantization_error=copy"),
+                     "optimizer=sparse_avg's defaults from 2026-12-02 21:00 UTC to 2026-12-04 01:30 UTC: sma99s "
+                     "with the local steps bounded at sqrt(copies / (1 - b2)), AdamS's largest step on one "
+                     "copy's share of the batch; each owner's re-quantization error goes into its copy", False)
+ARMS["sma99o"] = Arm("sma99o", "sparse model averaging at SCAPE-99's bytes, owner-side error feedback",
                      ("optimizer=sparse_avg",),
-                     "optimizer=sparse_avg as it ships: sma99s with the local steps bounded at "
-                     "sqrt(copies / (1 - b2)), AdamS's largest step on one copy's share of the batch", False)
+                     "optimizer=sparse_avg as it ships: sma99c with each chunk owner keeping the "
+                     "re-quantization error of its mean and adding it to that chunk's next mean", False)
 
 
 # Composed SCAPE arms, named by their recipe: scape99+post+cap32+warm20 (see compose_arm).
@@ -179,7 +186,7 @@ _PARTS = {
 def compose_arm(name: str) -> Optional[Arm]:
     """An arm named by its recipe, ``base+part+part...``: base scape90 / scape99 (the spec's rule at
     that sparsity), sma90 / sma99 (sparse model averaging, bf16 drifts), sma99q / sma99s (2-bit drifts at
-    bf16-at-99%'s / SCAPE-99's bytes, the bound 1 / sqrt(1 - b2)), sma99c (optimizer=sparse_avg's defaults) or adams / adamw; parts: post, capN /
+    bf16-at-99%'s / SCAPE-99's bytes, the bound 1 / sqrt(1 - b2)), sma99c (with the bound by the copies), sma99o (optimizer=sparse_avg's defaults) or adams / adamw; parts: post, capN /
     lrsumN (catch-up capped at N; 0 = 1 / density), warmN, clip, noclip, lrX, and for sparse
     averaging omX / olrX (outer Nesterov momentum / outer lr), dev / rand / cyc / topk (mask rule), shnorm / rvnorm / lnorm (one shared
     denominator from the drift / from momenta sent beside it / each rank's own), ornorm (D from every
@@ -194,7 +201,7 @@ def compose_arm(name: str) -> Optional[Arm]:
     elif base in ("sma90", "sma99"):
         overrides, label = (["optimizer=sparse_avg", f"optimizer.sparsity=0.{base[-2:]}", *_BF16_DRIFTS],
                             f"sparse avg {base[-2:]}%")
-    elif base in ("sma99q", "sma99s", "sma99c"):
+    elif base in ("sma99q", "sma99s", "sma99c", "sma99o"):
         overrides, label = list(ARMS[base].overrides), ARMS[base].label
     elif base in ("adams", "adamw"):
         overrides, label = [f"optimizer={base}"], {"adams": "AdamS", "adamw": "AdamW"}[base]

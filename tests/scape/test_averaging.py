@@ -878,6 +878,7 @@ def test_the_default_sends_scape99s_bytes_per_step():
     conf = OmegaConf.load(Path(__file__).parents[2] / "conf/optimizer/sparse_avg.yaml")
     scape = OmegaConf.load(Path(__file__).parents[2] / "conf/optimizer/scape.yaml")
     assert conf.value_bits == 2 and conf.quantized_collective == "compressed_all_reduce"
+    assert conf.requantization_error == "owner"  # no bytes of its own: the owners keep the error
     numel = 350_000_000
     for world in (2, 4, 8, 16, 64):
         default = sparse_avg_step_bytes(numel, world, conf.sparsity, value_dtype=conf.value_dtype, mask_rule="cyclic",
