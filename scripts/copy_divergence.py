@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -25,18 +25,28 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 
-def load_copies(checkpoint: Path) -> List[torch.Tensor]:
-    """Every rank's flat copy y_i, in rank order (the flat layout: matrices first)."""
+def load_copies(checkpoint: Path) -> Tuple[List[torch.Tensor], torch.Tensor]:
+    """(every rank's flat copy y_i in rank order, what the owners' mean still owes the average).
+
+    The flat layout: matrices first. The second is the sum of the owners' pending
+    re-quantization errors (``optimizer.requantization_error=owner``; zero without), which the
+    average model holds and no copy does; the ranks of one copy hold the same error, so each
+    rank's counts copies / world times."""
     files = sorted(checkpoint.glob("rank-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
     if not files:
         raise SystemExit(f"error: {checkpoint} has no rank-R.pt files: it is not a checkpoint of a run")
-    copies = []
+    copies, pending = [], None
     for path in files:
         state = torch.load(path, map_location="cpu", weights_only=False).get("sync", {})
         if "params" not in state:
             raise SystemExit(f"error: {path} holds no sparse_avg copy (was the run optimizer=sparse_avg?)")
         copies.append(state["params"].float())
-    return copies
+        if pending is None:
+            pending = torch.zeros_like(copies[-1])
+        if "mean_error" in state:
+            error, start = state["mean_error"].float(), int(state["mean_error_start"])
+            pending[start:start + error.numel()].add_(error, alpha=int(state["copies"]) / len(files))
+    return copies, pending
 
 
 def divergence(checkpoint: Path, per_tensor: bool = False) -> Dict:
@@ -53,8 +63,9 @@ def divergence(checkpoint: Path, per_tensor: bool = False) -> Dict:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     ordered = flat_order(params, param=lambda named: named[1])
     numel = sum(p.numel() for _, p in ordered)
-    copies = torch.stack([c[:numel] for c in load_copies(checkpoint)])
-    average = copies.mean(0)
+    loaded, pending = load_copies(checkpoint)
+    copies = torch.stack([c[:numel] for c in loaded])
+    average = copies.mean(0) + pending[:numel]  # the model the trainer validated and saved
     world = copies.shape[0]
     val = TokenLoader(prepared_dir_for(cfg.data, cfg.tokenizer), "val", cfg.model.seq_len, cfg.train.micro_batch_size, 0, 1,
                       int(cfg.seed))
