@@ -24,6 +24,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -183,6 +184,9 @@ _PARTS = {
 }
 
 
+_PART_NAME = re.compile(r"([a-z]+?)((?:\d+\.?\d*|\.\d+)(?:e-?\d+)?)?")
+
+
 def compose_arm(name: str) -> Optional[Arm]:
     """An arm named by its recipe, ``base+part+part...``: base scape90 / scape99 (the spec's rule at
     that sparsity), sma90 / sma99 (sparse model averaging, bf16 drifts), sma99q / sma99s (2-bit drifts at
@@ -209,8 +213,12 @@ def compose_arm(name: str) -> Optional[Arm]:
         return None
     labels = []
     for part in parts:
-        key = part.rstrip("0123456789.e-") if part[:2] != "lr" or part.startswith("lrsum") else "lr"
-        number = part[len(key):]
+        # a part is letters then an optional number (0.787, 13, 6e-3): the shortest letters that
+        # leave a number, so lrsum32 is lrsum + 32 and a name may end in e
+        match = _PART_NAME.fullmatch(part)
+        if match is None:
+            return None
+        key, number = match.group(1), match.group(2) or ""
         if key not in _PARTS or (("{n}" in " ".join(_PARTS[key][0])) != bool(number)):
             return None
         items, text = _PARTS[key]

@@ -71,7 +71,7 @@ def test_study_runs_arms_and_reports(prepared_cache, tmp_path):
     assert again["scape99"]["summary"] == arms["scape99"]["summary"]
 
 
-def test_composed_arms_follow_their_recipe_and_bad_names_are_refused():
+def test_composed_arms_follow_their_recipe_and_bad_names_are_refused(monkeypatch):
     arm = study.compose_arm("scape99+post+lrsum32+warm60+noclip")
     overrides = dict(item.split("=", 1) for item in arm.overrides)
     assert overrides["optimizer"] == "scape" and overrides["optimizer.sparsity"] == "0.99"
@@ -103,7 +103,11 @@ def test_composed_arms_follow_their_recipe_and_bad_names_are_refused():
     assert (gathered["optimizer.quantized_collective"], gathered["optimizer.value_bits"]) == ("all_gather", "0")
     owner = dict(i.split("=", 1) for i in study.compose_arm("sma99c+own").overrides)
     assert owner["optimizer.requantization_error"] == "owner"
-    for bad in ("scape99", "scape99+cap", "scape99+post7", "scape50+post", "bsdp50+post"):
+    # a part's name may end in e (the number is split off, not every trailing e, digit or dash)
+    monkeypatch.setitem(study._PARTS, "wide", (["optimizer.mask_rule=wide"], "wide"))
+    assert "optimizer.mask_rule=wide" in study.compose_arm("sma99c+wide+sp0.9").overrides
+    assert study.compose_arm("sma99c+wide1") is None and study.compose_arm("sma99c+sp") is None
+    for bad in ("scape99", "scape99+cap", "scape99+post7", "scape50+post", "bsdp50+post", "sma99c+sp0.9x"):
         assert study.compose_arm(bad) is None, bad
     with pytest.raises(SystemExit):
         study.parse_args(["--arms", "scape99+nonsense"])
