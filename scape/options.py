@@ -122,7 +122,12 @@ def validate_config(cfg: OptimizerConfig) -> None:
         raise ValueError(f"optimizer.density_lr_power={power!r} must be a number (0 = constant density, "
                          f"1 = the density falls with the lr, -1 = it rises as the lr falls)")
     floor = cfg.min_sparsity
-    if not (isinstance(floor, (int, float)) and 0.0 <= floor <= sparsity):
+    # with the density falling with the lr (power > 0) the bound may sit below the base density: it
+    # caps the bytes per step at the peak lr; otherwise a bound above the sparsity would cut the base
+    if power > 0 and not (isinstance(floor, (int, float)) and 0.0 <= floor < 1.0):
+        raise ValueError(f"optimizer.min_sparsity={floor!r} must lie in [0, 1): it caps the density that "
+                         f"density_lr_power={power} sets, the bytes per step at the peak lr (0 = no cap)")
+    if power <= 0 and not (isinstance(floor, (int, float)) and 0.0 <= floor <= sparsity):
         raise ValueError(f"optimizer.min_sparsity={floor!r} must lie in [0, optimizer.sparsity={sparsity}]: "
                          f"it bounds the density that density_lr_power sets (0 = no bound)")
     if not (isinstance(cfg.ranks_per_copy, int) and not isinstance(cfg.ranks_per_copy, bool)

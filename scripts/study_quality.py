@@ -168,6 +168,7 @@ _PARTS = {
     "invlr": (("optimizer.density_lr_power=-1", "optimizer.min_sparsity={n}"),
               "density x peak lr / lr, sparsity >= {n}"),
     "withlr": (("optimizer.density_lr_power=1",), "density x lr / peak lr"),
+    "minsp": (("optimizer.min_sparsity={n}",), "sparsity >= {n}"),
     # sparse_avg only: N ranks train one copy (dense inside it), the exchange runs between copies
     "rpc": (("optimizer.ranks_per_copy={n}",), "{n} ranks per copy"),
     "bfloat": (("optimizer.value_dtype=bf16",), "bf16 values"),

@@ -248,6 +248,10 @@ REFERENCE_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.8, dense_warmup_steps=3
                           min_sparsity=0.8, sparsity_warmup_steps=3),
                      dict(sparsity=0.95, density_lr_power=-1),
                      dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", density_lr_power=1),
+                     # the density falls with the lr under a cap below its base (bytes per step bounded)
+                     dict(sparsity=0.6, mask_rule="cyclic", normalizer="shared", density_lr_power=1,
+                          min_sparsity=0.75, value_bits=2, quantized_collective="compressed_all_reduce",
+                          requantization_error="owner"),
                      dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", value_bits=2, sparsity_warmup_steps=4),
                      dict(sparsity=0.97, value_bits=1, dense_warmup_steps=3),  # 5 bytes of codes: unaligned scales
                      dict(sparsity=0.5, mask_rule="cyclic", normalizer="shared", value_bits=4, value_dtype="bf16"),
@@ -788,6 +792,8 @@ def test_settings_are_checked_and_the_builders_dispatch():
         SparseAverageSynchronizer(make_model(), avg_config(density_lr_power="lr"))
     with pytest.raises(ValueError, match=r"optimizer.min_sparsity=0.95 must lie in \[0, optimizer.sparsity=0.9\]"):
         SparseAverageSynchronizer(make_model(), avg_config(density_lr_power=-1, min_sparsity=0.95))
+    with pytest.raises(ValueError, match=r"optimizer.min_sparsity=1.0 must lie in \[0, 1\): it caps"):
+        SparseAverageSynchronizer(make_model(), avg_config(density_lr_power=1, min_sparsity=1.0))
     with pytest.raises(ValueError, match="optimizer.density_lr_power=-1 is a sparse_avg option"):
         scape.build_synchronizer(make_model(), avg_config(name="scape", density_lr_power=-1))
     with pytest.raises(ValueError, match="optimizer.ranks_per_copy=0 must be an integer >= 1"):
