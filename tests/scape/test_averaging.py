@@ -312,6 +312,8 @@ def _equals_reference(rank: int, world: int, configs=REFERENCE_CONFIGS) -> None:
             # the last steps' lr is 1/8 of the peak
             final = min((1 - cfg.sparsity) * 0.125 ** power, 1 - cfg.min_sparsity)
             assert (ks[-1] - ks[2]) * power < 0 and ks[-1] == sync.layout.k(final), ks
+            if cfg.min_sparsity > cfg.sparsity:  # a cap below the base density binds at the peak lr
+                assert max(ks) == sync.layout.k(1 - cfg.min_sparsity) < sync.layout.k(1 - cfg.sparsity), ks
 
 
 def test_two_ranks_equal_the_single_process_arithmetic():
