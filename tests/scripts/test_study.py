@@ -101,6 +101,10 @@ def test_composed_arms_follow_their_recipe_and_bad_names_are_refused(monkeypatch
     # the all-gather part undoes the shipped compressed all-reduce (a later override wins)
     gathered = dict(i.split("=", 1) for i in study.compose_arm("sma99c+sp0+q0+ag").overrides)
     assert (gathered["optimizer.quantized_collective"], gathered["optimizer.value_bits"]) == ("all_gather", "0")
+    # the density follows (lr / peak lr)^0.5, capped at the peak lr (lrpow is not lr + pow0.5)
+    halfway = dict(i.split("=", 1) for i in study.compose_arm("sma99o+lrpow0.5+sp0.7+minsp0.72").overrides)
+    assert (halfway["optimizer.density_lr_power"], halfway["optimizer.min_sparsity"]) == ("0.5", "0.72")
+    assert "optimizer.lr" not in halfway and study.compose_arm("sma99o+lrpow") is None
     owner = dict(i.split("=", 1) for i in study.compose_arm("sma99c+own").overrides)
     assert owner["optimizer.requantization_error"] == "owner"
     # a part's name may end in e (the number is split off, not every trailing e, digit or dash)
