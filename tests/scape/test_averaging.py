@@ -248,8 +248,8 @@ REFERENCE_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.8, dense_warmup_steps=3
                           min_sparsity=0.8, sparsity_warmup_steps=3),
                      dict(sparsity=0.95, density_lr_power=-1),
                      dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", density_lr_power=1),
-                     # the density falls with the lr under a cap below its base (bytes per step bounded)
-                     dict(sparsity=0.6, mask_rule="cyclic", normalizer="shared", density_lr_power=1,
+                     # the density falls with sqrt(lr) under a cap below its base (bytes per step bounded)
+                     dict(sparsity=0.6, mask_rule="cyclic", normalizer="shared", density_lr_power=0.5,
                           min_sparsity=0.75, value_bits=2, quantized_collective="compressed_all_reduce",
                           requantization_error="owner"),
                      dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", value_bits=2, sparsity_warmup_steps=4),
