@@ -619,6 +619,28 @@ def test_a_pending_requantization_error_is_in_the_average_on_resume_and_reshardi
     run_distributed(_pending_error_keeps_the_average, world_size=2)
 
 
+def _resharded_mask_follows_the_lr(rank: int, world: int) -> None:
+    cfg = avg_config(sparsity=0.6, mask_rule="cyclic", normalizer="shared", density_lr_power=0.5)
+    model = make_model()
+    sync = SparseAverageSynchronizer(model, cfg)
+    train(model, sync, 5, rank, lr=decaying_lr)  # step 5's lr is a quarter of the peak
+    saved = roundtrip({"model": sync.model_state_dict(), "replicated": sync.state_dict(),
+                       "local": sync.local_state_dict()})
+    locals_ = [None] * world
+    dist.all_gather_object(locals_, saved["local"])
+    fresh = SparseAverageSynchronizer(make_model(seed=9), cfg)
+    fresh.load_model_state_dict(saved["model"])
+    fresh.load_resharded_state(saved["replicated"], _ShardsInMemory(locals_))
+    # the re-selected mask has the density the uninterrupted run holds for step 6 (0.4 x 0.5),
+    # not the peak lr's
+    assert fresh.masks.step == sync.masks.step == 6
+    assert fresh.masks.k == sync.masks.k == sync.layout.k(0.2) < sync.layout.k(0.4)
+
+
+def test_a_resharded_resume_sizes_its_mask_by_the_last_lr():
+    run_distributed(_resharded_mask_follows_the_lr, world_size=2)
+
+
 def _bytes(rank: int, world: int) -> None:
     for overrides in (dict(sparsity=0.99, mask_transport="indices"), dict(sparsity=0.9, mask_transport="bitmap"),
                       dict(sparsity=0.99, value_dtype="bf16"), dict(sparsity=0.9, mask_rule="cyclic"),
