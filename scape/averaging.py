@@ -781,7 +781,9 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self.masks.wait()
         state: Dict[str, Any] = {"optimizer": NAME, "step": self.step_count,
                                  "layout": self.masks.layout_record(),
-                                 "consensus": self.consensus.detach().cpu().clone()}
+                                 "consensus": self.consensus.detach().cpu().clone(),
+                                 # the last step's lr / peak lr sizes the next mask (density_lr_power)
+                                 "lr_ratio": float(self.masks.lr_ratio)}
         if self.outer_velocity is not None:
             state["outer_velocity"] = self.outer_velocity.detach().cpu().clone()
         if self.cycle_place is not None:
@@ -825,6 +827,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             raise ValueError("this checkpoint was written with optimizer.normalizer=shared; resume "
                              "with the normalizer that wrote it")
         self.step_count = int(state["step"])
+        self.masks.lr_ratio = float(state.get("lr_ratio", 1.0))  # 1.0: written before it was kept
         self.masks.load_state_dict(state)
 
     def local_state_dict(self) -> Dict[str, Any]:
@@ -896,6 +899,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             self.normalizer.load_state_dict(state, fit=lambda tensor: repad(tensor, numel, padded))
         self.cycle_position = 0
         self.step_count = int(state["step"])
+        self.masks.lr_ratio = float(state.get("lr_ratio", 1.0))  # the re-selected mask's density
         self.masks.load_state_dict({})
 
         def copy_and_momentum(local: Dict[str, Any]) -> Dict[str, torch.Tensor]:

@@ -98,7 +98,9 @@ ARMS: Dict[str, Arm] = {arm.name: arm for arm in [
 # 2-bit rule at bf16-at-99%'s bytes (the default of the seventh session), sma99s the same rule at
 # SCAPE-99's bytes (the default of the eighth to eleventh sessions), sma99c sma99s with the local
 # steps' bound following the copies (the default of the eleventh to thirteenth sessions), sma99o
-# optimizer=sparse_avg as it ships (sma99c with the owners keeping their re-quantization error).
+# sma99c with the owners keeping their re-quantization error (the default of the fourteenth to
+# seventeenth sessions), sma99r optimizer=sparse_avg as it ships (sma99o with a density that
+# follows the square root of the lr).
 # Every sma arm before sma99c keeps the bound it was measured with, AdamS's largest step
 # 1 / sqrt(1 - b2) on any copy count.
 _BOUND_BEFORE = ("optimizer.step_bound=4.47213595499958",)
@@ -130,9 +132,15 @@ ARMS["sma99c"] = Arm("sma99c", "sparse model averaging at SCAPE-99's bytes, boun
                      "with the local steps bounded at sqrt(copies / (1 - b2)), AdamS's largest step on one "
                      "copy's share of the batch; each owner's re-quantization error goes into its copy", False)
 ARMS["sma99o"] = Arm("sma99o", "sparse model averaging at SCAPE-99's bytes, owner-side error feedback",
+                     ("optimizer=sparse_avg", "optimizer.sparsity=0.787", "optimizer.density_lr_power=0",
+                      "optimizer.min_sparsity=0"),
+                     "optimizer=sparse_avg's defaults from 2026-12-04 01:30 UTC to the eighteenth session: "
+                     "sma99c with each chunk owner keeping the re-quantization error of its mean and adding "
+                     "it to that chunk's next mean; a constant density 0.213", False)
+ARMS["sma99r"] = Arm("sma99r", "sparse model averaging at SCAPE-99's bytes over the run, density ~ sqrt(lr)",
                      ("optimizer=sparse_avg",),
-                     "optimizer=sparse_avg as it ships: sma99c with each chunk owner keeping the "
-                     "re-quantization error of its mean and adding it to that chunk's next mean", False)
+                     "optimizer=sparse_avg as it ships: sma99o with the density min(0.30 sqrt(lr_t / lr), "
+                     "0.28), the bytes of sma99o over the run, at most 50.7x below dense a step", False)
 
 
 # Composed SCAPE arms, named by their recipe: scape99+post+cap32+warm20 (see compose_arm).
@@ -192,7 +200,7 @@ _PART_NAME = re.compile(r"([a-z]+?)((?:\d+\.?\d*|\.\d+)(?:e-?\d+)?)?")
 def compose_arm(name: str) -> Optional[Arm]:
     """An arm named by its recipe, ``base+part+part...``: base scape90 / scape99 (the spec's rule at
     that sparsity), sma90 / sma99 (sparse model averaging, bf16 drifts), sma99q / sma99s (2-bit drifts at
-    bf16-at-99%'s / SCAPE-99's bytes, the bound 1 / sqrt(1 - b2)), sma99c (with the bound by the copies), sma99o (optimizer=sparse_avg's defaults) or adams / adamw; parts: post, capN /
+    bf16-at-99%'s / SCAPE-99's bytes, the bound 1 / sqrt(1 - b2)), sma99c (with the bound by the copies), sma99o (the owners keep the re-quantization error), sma99r (optimizer=sparse_avg's defaults) or adams / adamw; parts: post, capN /
     lrsumN (catch-up capped at N; 0 = 1 / density), warmN, clip, noclip, lrX, and for sparse
     averaging omX / olrX (outer Nesterov momentum / outer lr), dev / rand / cyc / topk (mask rule), shnorm / rvnorm / lnorm (one shared
     denominator from the drift / from momenta sent beside it / each rank's own), ornorm (D from every
@@ -207,7 +215,7 @@ def compose_arm(name: str) -> Optional[Arm]:
     elif base in ("sma90", "sma99"):
         overrides, label = (["optimizer=sparse_avg", f"optimizer.sparsity=0.{base[-2:]}", *_BF16_DRIFTS],
                             f"sparse avg {base[-2:]}%")
-    elif base in ("sma99q", "sma99s", "sma99c", "sma99o"):
+    elif base in ("sma99q", "sma99s", "sma99c", "sma99o", "sma99r"):
         overrides, label = list(ARMS[base].overrides), ARMS[base].label
     elif base in ("adams", "adamw"):
         overrides, label = [f"optimizer={base}"], {"adams": "AdamS", "adamw": "AdamW"}[base]

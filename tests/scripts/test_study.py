@@ -86,13 +86,16 @@ def test_composed_arms_follow_their_recipe_and_bad_names_are_refused(monkeypatch
     assert (outer["optimizer.outer_momentum"], outer["optimizer.outer_lr"]) == ("0.9", "0.7")
     cyclic = dict(i.split("=", 1) for i in study.compose_arm("sma99+cyc+sp0.985").overrides)
     assert (cyclic["optimizer.mask_rule"], cyclic["optimizer.sparsity"]) == ("cyclic", "0.985")
-    # the arms measured before the bound followed the copies keep AdamS's largest step; sma99o is
+    # the arms measured before the bound followed the copies keep AdamS's largest step; sma99r is
     # optimizer=sparse_avg as it ships, and a bound part overrides either
     old_bound = float(1 / (1 - 0.95) ** 0.5)
     for name in ("sma90", "sma99", "sma0", "sma99q", "sma99s", "sma99s+q2"):
         arm = study.ARMS.get(name) or study.compose_arm(name)
         assert float(dict(i.split("=", 1) for i in arm.overrides)["optimizer.step_bound"]) == pytest.approx(old_bound), name
-    assert study.ARMS["sma99o"].overrides == ("optimizer=sparse_avg",)
+    assert study.ARMS["sma99r"].overrides == ("optimizer=sparse_avg",)
+    # the default before pins its constant density (a later part still overrides it)
+    before = dict(i.split("=", 1) for i in study.ARMS["sma99o"].overrides)
+    assert (before["optimizer.sparsity"], before["optimizer.density_lr_power"]) == ("0.787", "0")
     # the default before keeps the owners' re-quantization error in their copies
     assert study.ARMS["sma99c"].overrides == ("optimizer=sparse_avg", "optimizer.requantization_error=copy")
     bounded = dict(i.split("=", 1) for i in study.compose_arm("sma99s+bound13").overrides)
@@ -104,6 +107,7 @@ def test_composed_arms_follow_their_recipe_and_bad_names_are_refused(monkeypatch
     # the density follows (lr / peak lr)^0.5, capped at the peak lr (lrpow is not lr + pow0.5)
     halfway = dict(i.split("=", 1) for i in study.compose_arm("sma99o+lrpow0.5+sp0.7+minsp0.72").overrides)
     assert (halfway["optimizer.density_lr_power"], halfway["optimizer.min_sparsity"]) == ("0.5", "0.72")
+    assert halfway["optimizer.sparsity"] == "0.7"
     assert "optimizer.lr" not in halfway and study.compose_arm("sma99o+lrpow") is None
     owner = dict(i.split("=", 1) for i in study.compose_arm("sma99c+own").overrides)
     assert owner["optimizer.requantization_error"] == "owner"
