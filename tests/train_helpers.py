@@ -31,6 +31,17 @@ TINY = ["model.n_layer=2", "model.d_model=64", "model.n_head=4", "model.n_kv_hea
         "train.eval_batches=2", "optimizer.warmup_steps=2", "optimizer.lr=3e-3", *TINY_DATA]
 
 
+def compose_config(overrides: Sequence[str]):
+    """conf/config.yaml with ``overrides`` as train.py composes it (Hydra's DictConfig, unresolved)."""
+    from hydra import compose, initialize_config_dir
+
+    from trainer.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
 def train_cli(overrides: Sequence[str], nproc: int = 1, timeout: int = 300,
               env: Dict[str, str] | None = None) -> subprocess.CompletedProcess:
     if nproc > 1:

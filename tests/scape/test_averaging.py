@@ -901,15 +901,10 @@ def test_train_py_with_a_copy_of_two_ranks(tmp_path, prepared_cache):
 
 def _composed_sparse_avg(steps: int, *overrides: str) -> OptimizerConfig:
     """conf/optimizer/sparse_avg.yaml as train.py composes it for a run of ``steps`` steps."""
-    from hydra import compose, initialize_config_dir
+    from tests.train_helpers import compose_config
+    from trainer.config import to_config
 
-    from tests.train_helpers import REPO
-    from trainer.config import register_configs, to_config
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["optimizer=sparse_avg", f"train.steps={steps}", *overrides])
-    return to_config(cfg).optimizer
+    return to_config(compose_config(["optimizer=sparse_avg", f"train.steps={steps}", *overrides])).optimizer
 
 
 def _step_bytes_over_a_run(conf: OptimizerConfig, steps: int, numel: int, world: int) -> list:

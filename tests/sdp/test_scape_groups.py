@@ -117,14 +117,10 @@ def test_tiny_bsdp50_scape90_runs_through_train_py_and_resumes_exactly(tmp_path,
 
 
 def _compose(overrides):
-    from hydra import compose, initialize_config_dir
+    from tests.train_helpers import compose_config
+    from trainer.config import to_config
 
-    from tests.train_helpers import REPO
-    from trainer.config import register_configs, to_config
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides))
+    cfg = compose_config(overrides)
     to_config(cfg)  # the typed checks of train.py
     return cfg
 

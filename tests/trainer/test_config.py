@@ -2,26 +2,19 @@
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from tests.train_helpers import REPO, train_cli
-from trainer.config import Config, register_configs
+from tests.train_helpers import REPO, compose_config, train_cli
+from trainer.config import Config
 
 CONF = REPO / "conf"
 GROUPS = ["model", "data", "tokenizer", "optimizer", "sdp", "logger"]
 
 
-def _compose(overrides):
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
-
-
 @pytest.mark.parametrize("override", [f"{g}={p.stem}" for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
                          + [f"+experiment={p.stem}" for p in sorted((CONF / "experiment").glob("*.yaml"))])
 def test_every_config_file_composes_and_validates(override):
-    cfg = _compose([override])
+    cfg = compose_config([override])
     obj = OmegaConf.to_object(cfg)  # resolves interpolations and checks every type
     assert isinstance(obj, Config)
     if override.startswith("+experiment="):
@@ -29,13 +22,13 @@ def test_every_config_file_composes_and_validates(override):
 
 
 def test_defaults_are_the_embedded_quick_start():
-    cfg = _compose([])
+    cfg = compose_config([])
     assert (cfg.model.name, cfg.data.name, cfg.tokenizer.name) == ("tiny_llama", "embedded", "bpe_local")
 
 
 @pytest.mark.parametrize("steps,lr_warmup,expected", [(300, 20, 100), (1200, 20, 400), (20000, 2000, 10000)])
 def test_the_sparse_averaging_warmup_is_five_lr_warmups_or_a_third_of_the_run(steps, lr_warmup, expected):
-    cfg = _compose(["optimizer=sparse_avg", f"train.steps={steps}", f"optimizer.warmup_steps={lr_warmup}"])
+    cfg = compose_config(["optimizer=sparse_avg", f"train.steps={steps}", f"optimizer.warmup_steps={lr_warmup}"])
     assert cfg.optimizer.sparsity_warmup_steps == expected
 
 

@@ -5,7 +5,6 @@ import dataclasses
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from core.checkpoint import CheckpointError, read_weights
 from core.distributed import init_distributed
@@ -13,17 +12,13 @@ from models import build_model
 from models.config import ModelConfig
 from models.hf import main as hf_main
 from models.hf import write_checkpoint
-from tests.train_helpers import REPO, TINY, read_metrics
-from trainer.config import ConfigError, register_configs, to_config
+from tests.train_helpers import TINY, compose_config, read_metrics
+from trainer.config import ConfigError, to_config
 from trainer.trainer import Trainer
 
 
 def _config(tmp_path, cache, *extra):
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[*TINY, f"data.cache_dir={cache}", f"out_dir={tmp_path}",
-                                                       "train.steps=2", *extra])
-    return to_config(cfg)
+    return to_config(compose_config([*TINY, f"data.cache_dir={cache}", f"out_dir={tmp_path}", "train.steps=2", *extra]))
 
 
 def _imported_folder(tmp_path, cfg: ModelConfig):
