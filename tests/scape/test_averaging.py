@@ -542,7 +542,11 @@ RESUME_CONFIGS = [(dict(sparsity=0.9), 4),
                   (dict(sparsity=0.9, mask_rule="cyclic", normalizer="shared", value_bits=2, value_dtype="bf16",
                         sparsity_warmup_steps=4), 3),
                   (dict(sparsity=0.8, normalizer="shared", value_bits=2, value_dtype="bf16",
-                        quantized_collective="compressed_all_reduce", requantization_error="owner"), 3)]
+                        quantized_collective="compressed_all_reduce", requantization_error="owner"), 3),
+                  # conf/optimizer/sparse_avg.yaml's density: sqrt of the decaying lr, capped at the peak
+                  (dict(sparsity=0.7, mask_rule="cyclic", normalizer="shared", density_lr_power=0.5,
+                        min_sparsity=0.72, value_bits=2, value_dtype="bf16",
+                        quantized_collective="compressed_all_reduce", requantization_error="owner"), 5)]
 
 
 def _resume(rank: int, world: int) -> None:
