@@ -174,7 +174,7 @@ def _times(factor, steps) -> int:
 
 
 def _longest(*steps) -> int:
-    """``${longest:${times:5,${.warmup_steps}},${times:0.3333,${train.steps}}}``: the largest step count."""
+    """``${longest:${.warmup_steps},${times:0.3333,${train.steps}}}``: the largest step count."""
     return max(int(step) for step in steps)
 
 

@@ -964,3 +964,21 @@ def test_the_default_sends_scape99s_bytes_over_the_run():
                                         quantized_collective="compressed_all_reduce")
         gathered = sparse_avg_step_bytes(numel, world, 0.787, value_dtype="bf16", mask_rule="cyclic", value_bits=2)
         assert gathered["total"] == pytest.approx(reduced["total"] * world / 2, rel=1e-3)
+
+
+@pytest.mark.parametrize("experiment", ["llama500m_sma99", "gpt345m_sma99"])
+def test_a_long_lr_warmup_keeps_the_experiments_at_scape99s_bytes(experiment):
+    """The Llama and GPT runs warm the lr up over 2,000 steps: their sparsity warm-up (a third of
+    the run) ends at the cap, and the run sends within 3% of the constant 0.787's bytes (the
+    rule before, five lr warm-ups, sent 1.09x over 12,000 steps, its mean density 0.50)."""
+    from tests.train_helpers import compose_config
+    from trainer.config import to_config
+
+    cfg = to_config(compose_config([f"+experiment={experiment}"]))
+    conf, steps, numel, world = cfg.optimizer, cfg.train.steps, 500_000_000, 16
+    assert conf.warmup_steps == 2000 and conf.sparsity_warmup_steps == round(0.3333 * steps)
+    shipped = _step_bytes_over_a_run(conf, steps, numel, world)
+    constant = _step_bytes_over_a_run(dataclasses.replace(conf, sparsity=0.787, density_lr_power=0.0, min_sparsity=0.0),
+                                      steps, numel, world)
+    assert 1.0 < sum(shipped) / sum(constant) < 1.03
+    assert all_reduce_bytes(4 * numel, world) / max(shipped[conf.sparsity_warmup_steps:]) > 50
