@@ -106,6 +106,11 @@ def validate_sparse_avg(cfg: OptimizerConfig) -> None:
     """SCAPE's checks of the shared keys, and no SCAPE-only key away from its default."""
     validate_config(cfg)
     refuse_foreign_keys(cfg, SCAPE_ONLY_KEYS, "a SCAPE", NAME)
+    scale = cfg.local_step_scale
+    if scale != 1 and (cfg.normalizer == "local" or cfg.exchange != "drift"):
+        raise ValueError(f"optimizer.local_step_scale={scale} scales the local steps over a shared denominator "
+                         f"and the averaged drift back; it needs optimizer.normalizer=shared, revealed or "
+                         f"oracle and optimizer.exchange=drift")
 
 
 def sparse_avg_step_bytes(numel: int, world: int, sparsity: float, mask_transport: str = "auto",
@@ -251,8 +256,11 @@ class _SharedNormalizer:
 
     def local_step(self, param: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor, lr: float,
                    beta1: float, bias_correction: float, weight_decay: float, decay_end: int,
-                   frozen: bool = False) -> None:
-        """y *= 1 - lr wd (decay range); m = b1 m + (1 - b1) g; y -= lr clamp((m / bc) / D, +-c).
+                   frozen: bool = False, scale: float = 1.0) -> None:
+        """y *= 1 - s lr wd (decay range); m = b1 m + (1 - b1) g; y -= s lr clamp((m / bc) / D, +-c).
+
+        s is ``local_step_scale``: the copy takes that share of its step, while the lr sum that
+        q divides by counts the whole lr (the exchange divides the mean drift by s first).
 
         ``frozen`` (local_momentum=consensus): m is the consensus momentum M and stays as it is;
         the step is y -= lr clamp((b1 M + (1 - b1) g) / D, +-c), with no bias correction (M
@@ -266,7 +274,7 @@ class _SharedNormalizer:
         ``scape/clamped_fraction``.
         """
         if weight_decay != 0.0 and decay_end > 0:
-            param[:decay_end].mul_(1.0 - lr * weight_decay)
+            param[:decay_end].mul_(1.0 - scale * lr * weight_decay)
         if frozen:
             update = torch.add(grad, momentum, alpha=beta1 / (1.0 - beta1)).mul_(1.0 - beta1)
             update.div_(self.denominator)
@@ -274,7 +282,7 @@ class _SharedNormalizer:
             momentum.mul_(beta1).add_(grad, alpha=1.0 - beta1)
             update = torch.div(momentum, self.denominator).mul_(1.0 / bias_correction)
         self.clamped = (update.abs() > self.bound).sum()  # a device tensor: read at log steps only
-        param.add_(update.clamp_(-self.bound, self.bound), alpha=-lr)
+        param.add_(update.clamp_(-self.bound, self.bound), alpha=-scale * lr)
         self.lr_sum.add_(lr)
 
     STATE_KEYS = ("second", "lr_sum", "last", "denominator")
@@ -321,6 +329,8 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             self.copy_comm = self.comm.in_group(groups[self.rank // size])
             self.exchange_comm = self.comm.in_group(groups[self.copies + self.rank % size])
         self.outer_lr, self.outer_momentum = float(cfg.outer_lr), float(cfg.outer_momentum)
+        # the share of its local step a copy takes; the mean drift is divided by it into x
+        self.local_step_scale = float(cfg.local_step_scale)
         # the outer momentum u (replicated like x); None = plain averaging
         self.outer_velocity = torch.zeros_like(self.consensus) if self.outer_momentum else None
         self.mask_rule = cfg.mask_rule
@@ -430,6 +440,8 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             return
         mean_momentum = payload[count:2 * count].float().div_(self.copies) if revealed else None
         mean = self._outer_step(mean, mask)
+        if self.local_step_scale != 1.0:  # the copies took that share of their steps
+            mean.div_(self.local_step_scale)
         self._record_rate(mean, mask, step)
         if self.revealed:  # q: the mean momentum now (after step t - 1), bias-corrected
             self.normalizer.reveal(mean_momentum / bias_correction, mask, step)
@@ -699,7 +711,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             opt.param_groups[0]["lr"] = lr
             self.normalizer.local_step(self.flat.data, opt.momentum, self.flat.grad, lr, opt.beta1,
                                        1.0 - opt.beta1 ** step, opt.weight_decay, opt.decay_end,
-                                       frozen=self.consensus_momentum)
+                                       frozen=self.consensus_momentum, scale=self.local_step_scale)
         self.step_count = step
 
     @torch.no_grad()
@@ -737,7 +749,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             start = self.mean_error_start
             drift[start:start + self.mean_error.numel()].add_(self.mean_error, alpha=self.copies)
         self.exchange_comm.all_reduce(drift, kind="average")
-        return drift.div_(self.copies).add_(self.consensus)
+        return drift.div_(self.copies * self.local_step_scale).add_(self.consensus)
 
     @contextlib.contextmanager
     def evaluation_weights(self) -> Iterator[None]:
@@ -783,7 +795,9 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
                                  "layout": self.masks.layout_record(),
                                  "consensus": self.consensus.detach().cpu().clone(),
                                  # the last step's lr / peak lr sizes the next mask (density_lr_power)
-                                 "lr_ratio": float(self.masks.lr_ratio)}
+                                 "lr_ratio": float(self.masks.lr_ratio),
+                                 # the copies' drifts are in its units
+                                 "local_step_scale": self.local_step_scale}
         if self.outer_velocity is not None:
             state["outer_velocity"] = self.outer_velocity.detach().cpu().clone()
         if self.cycle_place is not None:
@@ -810,6 +824,11 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
                              f"with the outer momentum that wrote it")
         if self.outer_velocity is not None:
             self.outer_velocity.copy_(state["outer_velocity"])
+        written = float(state.get("local_step_scale", 1.0))  # 1.0: written before it existed
+        if written != self.local_step_scale:
+            raise ValueError(f"this checkpoint was written with optimizer.local_step_scale={written}, this "
+                             f"run has {self.local_step_scale}: the copies' drifts are in its units; resume "
+                             f"with optimizer.local_step_scale={written}")
         if self.cycle_place is not None:
             if "cycle_position" not in state:
                 raise ValueError("this checkpoint has no cyclic mask position: it was written with "

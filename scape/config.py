@@ -64,6 +64,12 @@ class OptimizerConfig(DenseOptimizerConfig):
     # per step), and never below the sparsity warm-up's
     density_lr_power: float = 0.0
     min_sparsity: float = 0.0
+    # the share of its local step a copy takes (normalizer shared, revealed or oracle): y_i moves by
+    # local_step_scale x the step, and an exchange adds the mean drift / local_step_scale to x, so
+    # the consensus and the averaged model move as at 1 while the copies stray less from x
+    # between exchanges (their gradients are taken nearer x); towards 0 each coordinate's update
+    # reaches x only at its exchange, a delayed dense step
+    local_step_scale: float = 1.0
     # ranks that train one copy together (a dense gradient all-reduce among them, as DDP): set
     # to the GPUs per node and the sparse exchange runs between nodes only, among fewer copies
     # (consecutive ranks form a copy; the exchange group is one rank of each copy)

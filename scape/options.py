@@ -48,7 +48,8 @@ def as_dataclass(cfg) -> OptimizerConfig:
 # keys that only optimizer=sparse_avg reads (scape/averaging.py has the list the other way round)
 SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule", "normalizer", "exchange", "step_bound",
                         "average_momentum", "local_momentum", "density_lr_power", "min_sparsity",
-                        "ranks_per_copy", "value_bits", "quantized_collective", "requantization_error")
+                        "ranks_per_copy", "value_bits", "quantized_collective", "requantization_error",
+                        "local_step_scale")
 LOCAL_MOMENTA = ("own", "consensus")
 MASK_RULES = ("drift", "deviation", "random", "cyclic")
 NORMALIZERS = ("local", "shared", "revealed", "oracle")
@@ -155,6 +156,10 @@ def validate_config(cfg: OptimizerConfig) -> None:
         raise ValueError("optimizer.exchange=momentum steps the consensus on the averaged momentum over its own "
                          "shared denominator; it needs optimizer.normalizer=local, outer_lr=1, outer_momentum=0 "
                          "and a mask_rule other than deviation")
+    scale = cfg.local_step_scale
+    if not (isinstance(scale, (int, float)) and 0 < scale <= 1):
+        raise ValueError(f"optimizer.local_step_scale={scale!r} must lie in (0, 1] (1 = the copies take "
+                         f"their whole local step)")
     if cfg.normalizer != "local" and (cfg.outer_lr != 1 or cfg.outer_momentum != 0):
         raise ValueError(f"optimizer.normalizer={cfg.normalizer} reads the mean momentum from the plainly averaged "
                          "drift; it needs optimizer.outer_lr=1 and optimizer.outer_momentum=0")

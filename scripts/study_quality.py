@@ -180,6 +180,8 @@ _PARTS = {
     "minsp": (("optimizer.min_sparsity={n}",), "sparsity >= {n}"),
     # sparse_avg only: N ranks train one copy (dense inside it), the exchange runs between copies
     "rpc": (("optimizer.ranks_per_copy={n}",), "{n} ranks per copy"),
+    # sparse_avg, shared D only: the copies take {n} of their local step, x the mean drift / {n}
+    "lss": (("optimizer.local_step_scale={n}",), "copies take {n} of their local step"),
     "bfloat": (("optimizer.value_dtype=bf16",), "bf16 values"),
     # sparse_avg only: the drifts travel as N-bit codes (all-gathered), the rest kept in the copy
     "q": (("optimizer.value_bits={n}",), "{n}-bit drifts"),
@@ -204,7 +206,7 @@ def compose_arm(name: str) -> Optional[Arm]:
     lrsumN (catch-up capped at N; 0 = 1 / density), warmN, clip, noclip, lrX, and for sparse
     averaging omX / olrX (outer Nesterov momentum / outer lr), dev / rand / cyc / topk (mask rule), shnorm / rvnorm / lnorm (one shared
     denominator from the drift / from momenta sent beside it / each rank's own), ornorm (D from every
-    coordinate's mean momentum each step: a decomposition tool), avgm (momenta averaged with the drifts), cmom (the local steps share one consensus momentum), momX (b1 = X, b2 the default 0.95), wdX (weight decay X), exmom (the consensus steps on the averaged momentum sums), invlrN (the density rises as the lr falls, sparsity at least N), withlr (it falls with the lr), lrpowX (it follows (lr / peak lr)^X), minspN (min_sparsity N: with withlr a cap on the density at the peak lr), rpcN (N ranks train one copy), qN (N-bit drifts with error feedback), car / ag (their compressed all-reduce / all-gather), own (the owners keep the re-quantization error); spX sets the sparsity, bfloat the
+    coordinate's mean momentum each step: a decomposition tool), avgm (momenta averaged with the drifts), cmom (the local steps share one consensus momentum), momX (b1 = X, b2 the default 0.95), wdX (weight decay X), exmom (the consensus steps on the averaged momentum sums), invlrN (the density rises as the lr falls, sparsity at least N), withlr (it falls with the lr), lrpowX (it follows (lr / peak lr)^X), minspN (min_sparsity N: with withlr a cap on the density at the peak lr), rpcN (N ranks train one copy), lssX (the copies take X of their local step), qN (N-bit drifts with error feedback), car / ag (their compressed all-reduce / all-gather), own (the owners keep the re-quantization error); spX sets the sparsity, bfloat the
     value dtype. None if the name is
     not of that form."""
     base, *parts = name.split("+")

@@ -75,6 +75,7 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
     b1, b2, eps, wd = cfg.betas[0], cfg.betas[1], cfg.eps, cfg.weight_decay
     rho, warm, dense_until = 1 - cfg.sparsity, cfg.sparsity_warmup_steps, cfg.dense_warmup_steps
     eta, mu = cfg.outer_lr, cfg.outer_momentum
+    scale = cfg.local_step_scale  # the share of its local step a copy takes
     x = flat.data.clone()
     u = torch.zeros_like(x)  # outer (Nesterov) momentum
     rate, last = torch.zeros_like(x), torch.ones_like(x)  # mask_rule=deviation
@@ -144,6 +145,7 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
                     for c, (part, requantized) in enumerate(zip(parts, again.chunk(copies))):
                         kept[c][c * part.numel():(c + 1) * part.numel()] += copies * (part - requantized)
                 delta = again
+            delta = delta / scale  # what the copies' steps were, in full
             if frozen:  # the mean step r = b1 M + (1 - b1) gbar, less the decay's share lr wd x
                 r = -(delta + torch.where(sel < decay_end, wd * x[sel] * lr_sum[sel], 0.0)) * denom[sel] / lr_sum[sel]
                 gbar = (r - b1 * ms[0][sel]) / (1 - b1)
@@ -184,13 +186,13 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
             if frozen:
                 ms = [mean_grad.clone() for _ in ms]
         for g, y, m in zip(grads, ys, ms):  # local AdamS
-            y[:decay_end] *= 1 - lr * wd
+            y[:decay_end] *= 1 - scale * lr * wd
             if frozen:
-                y -= lr * ((b1 * m + (1 - b1) * g) / denom).clamp(-bound, bound)
+                y -= scale * lr * ((b1 * m + (1 - b1) * g) / denom).clamp(-bound, bound)
                 continue
             if shared:
                 m.mul_(b1).add_((1 - b1) * g)
-                y -= lr * ((m / c) / denom).clamp(-bound, bound)
+                y -= scale * lr * ((m / c) / denom).clamp(-bound, bound)
                 continue
             local_denom = (b2 * (m / c) ** 2 + (1 - b2) * g ** 2).sqrt() + eps
             m.mul_(b1).add_((1 - b1) * g)
@@ -210,7 +212,7 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
                 window = order[[(position + j) % size for j in range(k)]]
                 position = (position + k) % size
                 mask = torch.cat([window + r * size for r in range(world)]).sort().values
-                history.append((x.clone(), [y.clone() for y in ys], sum(ys) / copies + pending))
+                history.append((x.clone(), [y.clone() for y in ys], x + (sum(ys) / copies - x + pending) / scale))
                 continue
             scores = []
             for r in range(world):
@@ -224,7 +226,7 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
             mask = torch.cat([torch.topk(score, k).indices + r * size
                               for r, score in enumerate(scores)]).sort().values
         # the model to evaluate: the copies' mean, plus what the owners still owe it
-        history.append((x.clone(), [y.clone() for y in ys], sum(ys) / copies + pending))
+        history.append((x.clone(), [y.clone() for y in ys], x + (sum(ys) / copies - x + pending) / scale))
     return history
 
 
@@ -264,7 +266,13 @@ REFERENCE_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.8, dense_warmup_steps=3
                           dense_warmup_steps=3),
                      # the owner keeps its mean's second quantization error (the dense steps too)
                      dict(sparsity=0.8, normalizer="shared", value_bits=2, quantized_collective="compressed_all_reduce",
-                          requantization_error="owner", dense_warmup_steps=3, value_dtype="bf16")]
+                          requantization_error="owner", dense_warmup_steps=3, value_dtype="bf16"),
+                     # the copies take half their local step, x the mean drift twice (the default's exchange)
+                     dict(sparsity=0.6, mask_rule="cyclic", normalizer="shared", density_lr_power=0.5,
+                          min_sparsity=0.75, value_bits=2, quantized_collective="compressed_all_reduce",
+                          requantization_error="owner", local_step_scale=0.5),
+                     dict(sparsity=0.9, normalizer="shared", local_momentum="consensus", local_step_scale=0.3,
+                          dense_warmup_steps=2)]
 
 
 def decaying_lr(step: int) -> float:
@@ -850,6 +858,20 @@ def test_settings_are_checked_and_the_builders_dispatch():
                                                            requantization_error="server"))
     with pytest.raises(ValueError, match="optimizer.value_bits=2 is a sparse_avg option"):
         scape.build_synchronizer(make_model(), avg_config(name="scape", value_bits=2))
+    for bad in (0, 1.5, "half"):
+        with pytest.raises(ValueError, match=f"optimizer.local_step_scale={bad!r} must lie in \\(0, 1\\]"):
+            SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared", local_step_scale=bad))
+    for bad in (dict(), dict(normalizer="local", exchange="momentum")):  # no shared D to scale the steps over
+        with pytest.raises(ValueError, match="local_step_scale=0.5 scales the local steps .* needs optimizer.normalizer"):
+            SparseAverageSynchronizer(make_model(), avg_config(local_step_scale=0.5, **bad))
+    with pytest.raises(ValueError, match="optimizer.local_step_scale=0.5 is a sparse_avg option"):
+        scape.build_synchronizer(make_model(), avg_config(name="scape", local_step_scale=0.5))
+    halves = SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared", local_step_scale=0.5))
+    train(halves.model, halves, 2, 0)
+    whole = SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared"))
+    with pytest.raises(ValueError, match="written with optimizer.local_step_scale=0.5, this run has 1.0.*"
+                                         "resume with optimizer.local_step_scale=0.5"):
+        whole.load_state_dict(roundtrip(halves.state_dict()))
     summed = SparseAverageSynchronizer(make_model(), avg_config(exchange="momentum"))
     train(summed.model, summed, 2, 0)
     with pytest.raises(ValueError, match="written with optimizer.exchange=momentum"):
