@@ -810,6 +810,13 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         state.update(self.masks.state_dict(self.step_count + 1))
         return state
 
+    def _check_local_step_scale(self, state: Dict[str, Any]) -> None:
+        written = float(state.get("local_step_scale", 1.0))  # 1.0: written before it existed
+        if written != self.local_step_scale:
+            raise ValueError(f"this checkpoint was written with optimizer.local_step_scale={written}, this "
+                             f"run has {self.local_step_scale}: the copies' drifts are in its units; resume "
+                             f"with optimizer.local_step_scale={written}")
+
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if state.get("optimizer") != NAME or "consensus" not in state:
             raise ValueError("this checkpoint was not written by optimizer=sparse_avg (no consensus "
@@ -824,11 +831,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
                              f"with the outer momentum that wrote it")
         if self.outer_velocity is not None:
             self.outer_velocity.copy_(state["outer_velocity"])
-        written = float(state.get("local_step_scale", 1.0))  # 1.0: written before it existed
-        if written != self.local_step_scale:
-            raise ValueError(f"this checkpoint was written with optimizer.local_step_scale={written}, this "
-                             f"run has {self.local_step_scale}: the copies' drifts are in its units; resume "
-                             f"with optimizer.local_step_scale={written}")
+        self._check_local_step_scale(state)
         if self.cycle_place is not None:
             if "cycle_position" not in state:
                 raise ValueError("this checkpoint has no cyclic mask position: it was written with "
@@ -903,6 +906,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         if old.get("numel") != numel:
             raise ValueError(f"sparse_avg checkpoint has {old.get('numel')} parameters, this model has "
                              f"{numel}: resume with the model the run was started with")
+        self._check_local_step_scale(state)
         self.masks.wait()
         self.consensus.copy_(repad(state["consensus"], numel, padded))
         # the other replicated buffers follow the coordinates too; the cycle restarts (this run's

@@ -554,7 +554,11 @@ RESUME_CONFIGS = [(dict(sparsity=0.9), 4),
                   # conf/optimizer/sparse_avg.yaml's density: sqrt of the decaying lr, capped at the peak
                   (dict(sparsity=0.7, mask_rule="cyclic", normalizer="shared", density_lr_power=0.5,
                         min_sparsity=0.72, value_bits=2, value_dtype="bf16",
-                        quantized_collective="compressed_all_reduce", requantization_error="owner"), 5)]
+                        quantized_collective="compressed_all_reduce", requantization_error="owner"), 5),
+                  # ... with the copies taking half their local step
+                  (dict(sparsity=0.7, mask_rule="cyclic", normalizer="shared", density_lr_power=0.5,
+                        min_sparsity=0.72, value_bits=2, value_dtype="bf16", local_step_scale=0.5,
+                        quantized_collective="compressed_all_reduce", requantization_error="owner"), 4)]
 
 
 def _resume(rank: int, world: int) -> None:
@@ -872,6 +876,8 @@ def test_settings_are_checked_and_the_builders_dispatch():
     with pytest.raises(ValueError, match="written with optimizer.local_step_scale=0.5, this run has 1.0.*"
                                          "resume with optimizer.local_step_scale=0.5"):
         whole.load_state_dict(roundtrip(halves.state_dict()))
+    with pytest.raises(ValueError, match="written with optimizer.local_step_scale=0.5"):  # on another world too
+        whole.load_resharded_state(roundtrip(halves.state_dict()), shards=None)
     summed = SparseAverageSynchronizer(make_model(), avg_config(exchange="momentum"))
     train(summed.model, summed, 2, 0)
     with pytest.raises(ValueError, match="written with optimizer.exchange=momentum"):
