@@ -68,7 +68,7 @@ class OptimizerConfig(DenseOptimizerConfig):
     # local_step_scale x the step, and an exchange adds the mean drift / local_step_scale to x, so
     # the consensus and the averaged model move as at 1 while the copies stray less from x
     # between exchanges (their gradients are taken nearer x); towards 0 each coordinate's update
-    # reaches x only at its exchange, a delayed dense step
+    # reaches x only at its exchange, a delayed dense step. 0 = min(1, sqrt(4 / copies))
     local_step_scale: float = 1.0
     # ranks that train one copy together (a dense gradient all-reduce among them, as DDP): set
     # to the GPUs per node and the sparse exchange runs between nodes only, among fewer copies

@@ -157,9 +157,9 @@ def validate_config(cfg: OptimizerConfig) -> None:
                          "shared denominator; it needs optimizer.normalizer=local, outer_lr=1, outer_momentum=0 "
                          "and a mask_rule other than deviation")
     scale = cfg.local_step_scale
-    if not (isinstance(scale, (int, float)) and 0 < scale <= 1):
-        raise ValueError(f"optimizer.local_step_scale={scale!r} must lie in (0, 1] (1 = the copies take "
-                         f"their whole local step)")
+    if not (isinstance(scale, (int, float)) and 0 <= scale <= 1):
+        raise ValueError(f"optimizer.local_step_scale={scale!r} must lie in [0, 1] (1 = the copies take "
+                         f"their whole local step; 0 = min(1, sqrt(4 / copies)))")
     if cfg.normalizer != "local" and (cfg.outer_lr != 1 or cfg.outer_momentum != 0):
         raise ValueError(f"optimizer.normalizer={cfg.normalizer} reads the mean momentum from the plainly averaged "
                          "drift; it needs optimizer.outer_lr=1 and optimizer.outer_momentum=0")

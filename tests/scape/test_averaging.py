@@ -17,7 +17,7 @@ from core.flat import FlatParameters, param_groups
 from core.optim import AdamS
 from core.sync import DenseAllReduce
 from scape.accounting import scape_step_bytes
-from scape.averaging import SparseAverageSynchronizer, sparse_avg_step_bytes
+from scape.averaging import SparseAverageSynchronizer, default_local_step_scale, sparse_avg_step_bytes
 from scape.config import OptimizerConfig
 from sdp.config import SDPConfig
 from tests.dist_helpers import run_distributed
@@ -862,8 +862,8 @@ def test_settings_are_checked_and_the_builders_dispatch():
                                                            requantization_error="server"))
     with pytest.raises(ValueError, match="optimizer.value_bits=2 is a sparse_avg option"):
         scape.build_synchronizer(make_model(), avg_config(name="scape", value_bits=2))
-    for bad in (0, 1.5, "half"):
-        with pytest.raises(ValueError, match=f"optimizer.local_step_scale={bad!r} must lie in \\(0, 1\\]"):
+    for bad in (-0.5, 1.5, "half"):
+        with pytest.raises(ValueError, match=f"optimizer.local_step_scale={bad!r} must lie in \\[0, 1\\]"):
             SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared", local_step_scale=bad))
     for bad in (dict(), dict(normalizer="local", exchange="momentum")):  # no shared D to scale the steps over
         with pytest.raises(ValueError, match="local_step_scale=0.5 scales the local steps .* needs optimizer.normalizer"):
@@ -1010,3 +1010,15 @@ def test_a_long_lr_warmup_keeps_the_experiments_at_scape99s_bytes(experiment):
                                       steps, numel, world)
     assert 1.0 < sum(shipped) / sum(constant) < 1.03
     assert all_reduce_bytes(4 * numel, world) / max(shipped[conf.sparsity_warmup_steps:]) > 50
+
+
+def test_local_step_scale_zero_keeps_the_spread_of_four_copies():
+    """0 = min(1, sqrt(4 / copies)): the whole step up to 4 copies, half of it on 16; the whole
+    step wherever there is no shared denominator to scale the steps over."""
+    assert [default_local_step_scale(c) for c in (1, 2, 4, 16, 64)] == [1.0, 1.0, 1.0, 0.5, 0.25]
+    assert default_local_step_scale(8) == pytest.approx(0.7071, abs=1e-4)
+    for overrides in (dict(normalizer="shared"), dict(), dict(exchange="momentum")):
+        sync = SparseAverageSynchronizer(make_model(), avg_config(local_step_scale=0, **overrides))
+        assert sync.local_step_scale == 1.0  # one process: one copy
+    sync = SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared", local_step_scale=0.3))
+    assert sync.local_step_scale == 0.3
