@@ -99,13 +99,16 @@ ARMS: Dict[str, Arm] = {arm.name: arm for arm in [
 # SCAPE-99's bytes (the default of the eighth to eleventh sessions), sma99c sma99s with the local
 # steps' bound following the copies (the default of the eleventh to thirteenth sessions), sma99o
 # sma99c with the owners keeping their re-quantization error (the default of the fourteenth to
-# seventeenth sessions), sma99r optimizer=sparse_avg as it ships (sma99o with a density that
-# follows the square root of the lr).
+# seventeenth sessions), sma99r sma99o with a density that follows the square root of the lr (the
+# default of the eighteenth session), sma99l optimizer=sparse_avg as it ships (sma99r with the
+# copies taking min(1, sqrt(4 / copies)) of their local step).
 # Every sma arm before sma99c keeps the bound it was measured with, AdamS's largest step
 # 1 / sqrt(1 - b2) on any copy count.
 _BOUND_BEFORE = ("optimizer.step_bound=4.47213595499958",)
+# Every sma arm before sma99l takes the whole local step on any copy count, as it was measured.
+_WHOLE_STEP = ("optimizer.local_step_scale=1",)
 _BF16_DRIFTS = ("optimizer.value_bits=0", "optimizer.quantized_collective=all_gather",
-                "optimizer.sparsity_warmup_steps=100", *_BOUND_BEFORE)
+                "optimizer.sparsity_warmup_steps=100", *_BOUND_BEFORE, *_WHOLE_STEP)
 for _pct, _sparsity in (("90", "0.9"), ("99", "0.99")):
     ARMS[f"scape{_pct}_spec"] = Arm(f"scape{_pct}_spec", f"SCAPE-{_pct}, the spec's rule",
                                     ("optimizer=scape_spec", f"optimizer.sparsity={_sparsity}"),
@@ -118,29 +121,35 @@ ARMS["sma0"] = Arm("sma0", "sparse model averaging, density 1",
                    ("optimizer=sparse_avg", "optimizer.sparsity=0.0", *_BF16_DRIFTS),
                    "every drift averaged every step: what the local steps + averaging cost without sparsity", False)
 ARMS["sma99q"] = Arm("sma99q", "sparse model averaging at 99%'s bytes, 2-bit drifts",
-                     ("optimizer=sparse_avg", "optimizer.sparsity=0.929", *_BOUND_BEFORE),
+                     ("optimizer=sparse_avg", "optimizer.sparsity=0.929", *_BOUND_BEFORE, *_WHOLE_STEP),
                      "optimizer=sparse_avg's defaults until 2026-12-02 07:40 UTC: 2-bit drifts on 7.1% of the "
                      "coordinates a step, a compressed all-reduce, the bytes of bf16 drifts at 99%", False)
 ARMS["sma99s"] = Arm("sma99s", "sparse model averaging at SCAPE-99's bytes, 2-bit drifts",
-                     ("optimizer=sparse_avg", "optimizer.sparsity=0.787", *_BOUND_BEFORE),
+                     ("optimizer=sparse_avg", "optimizer.sparsity=0.787", *_BOUND_BEFORE, *_WHOLE_STEP),
                      "optimizer=sparse_avg's defaults from 2026-12-02 07:40 UTC to the bound that follows the "
                      "copies: 2-bit drifts on 21% of the coordinates a step, a compressed all-reduce, SCAPE-99's "
                      "bytes per step, local steps bounded at AdamS's largest step", False)
 ARMS["sma99c"] = Arm("sma99c", "sparse model averaging at SCAPE-99's bytes, bound by the copies",
-                     ("optimizer=sparse_avg", "optimizer.requantization_error=copy"),
+                     ("optimizer=sparse_avg", "optimizer.requantization_error=copy", *_WHOLE_STEP),
                      "optimizer=sparse_avg's defaults from 2026-12-02 21:00 UTC to 2026-12-04 01:30 UTC: sma99s "
                      "with the local steps bounded at sqrt(copies / (1 - b2)), AdamS's largest step on one "
                      "copy's share of the batch; each owner's re-quantization error goes into its copy", False)
 ARMS["sma99o"] = Arm("sma99o", "sparse model averaging at SCAPE-99's bytes, owner-side error feedback",
                      ("optimizer=sparse_avg", "optimizer.sparsity=0.787", "optimizer.density_lr_power=0",
-                      "optimizer.min_sparsity=0"),
+                      "optimizer.min_sparsity=0", *_WHOLE_STEP),
                      "optimizer=sparse_avg's defaults from 2026-12-04 01:30 UTC to the eighteenth session: "
                      "sma99c with each chunk owner keeping the re-quantization error of its mean and adding "
                      "it to that chunk's next mean; a constant density 0.213", False)
 ARMS["sma99r"] = Arm("sma99r", "sparse model averaging at SCAPE-99's bytes over the run, density ~ sqrt(lr)",
+                     ("optimizer=sparse_avg", *_WHOLE_STEP),
+                     "optimizer=sparse_avg's defaults in the eighteenth session: sma99o with the density "
+                     "min(0.30 sqrt(lr_t / lr), 0.28), the bytes of sma99o over the run, at most 50.7x below "
+                     "dense a step", False)
+ARMS["sma99l"] = Arm("sma99l", "sparse model averaging, density ~ sqrt(lr), copies take sqrt(4 / C) of their step",
                      ("optimizer=sparse_avg",),
-                     "optimizer=sparse_avg as it ships: sma99o with the density min(0.30 sqrt(lr_t / lr), "
-                     "0.28), the bytes of sma99o over the run, at most 50.7x below dense a step", False)
+                     "optimizer=sparse_avg as it ships: sma99r with each copy taking min(1, sqrt(4 / copies)) of "
+                     "its local step and the exchange dividing the mean drift by it (the whole step up to 4 "
+                     "copies, half on 16)", False)
 
 
 # Composed SCAPE arms, named by their recipe: scape99+post+cap32+warm20 (see compose_arm).
@@ -202,7 +211,7 @@ _PART_NAME = re.compile(r"([a-z]+?)((?:\d+\.?\d*|\.\d+)(?:e-?\d+)?)?")
 def compose_arm(name: str) -> Optional[Arm]:
     """An arm named by its recipe, ``base+part+part...``: base scape90 / scape99 (the spec's rule at
     that sparsity), sma90 / sma99 (sparse model averaging, bf16 drifts), sma99q / sma99s (2-bit drifts at
-    bf16-at-99%'s / SCAPE-99's bytes, the bound 1 / sqrt(1 - b2)), sma99c (with the bound by the copies), sma99o (the owners keep the re-quantization error), sma99r (optimizer=sparse_avg's defaults) or adams / adamw; parts: post, capN /
+    bf16-at-99%'s / SCAPE-99's bytes, the bound 1 / sqrt(1 - b2)), sma99c (with the bound by the copies), sma99o (the owners keep the re-quantization error), sma99r (the density following sqrt(lr)), sma99l (optimizer=sparse_avg's defaults) or adams / adamw; parts: post, capN /
     lrsumN (catch-up capped at N; 0 = 1 / density), warmN, clip, noclip, lrX, and for sparse
     averaging omX / olrX (outer Nesterov momentum / outer lr), dev / rand / cyc / topk (mask rule), shnorm / rvnorm / lnorm (one shared
     denominator from the drift / from momenta sent beside it / each rank's own), ornorm (D from every
@@ -217,7 +226,7 @@ def compose_arm(name: str) -> Optional[Arm]:
     elif base in ("sma90", "sma99"):
         overrides, label = (["optimizer=sparse_avg", f"optimizer.sparsity=0.{base[-2:]}", *_BF16_DRIFTS],
                             f"sparse avg {base[-2:]}%")
-    elif base in ("sma99q", "sma99s", "sma99c", "sma99o", "sma99r"):
+    elif base in ("sma99q", "sma99s", "sma99c", "sma99o", "sma99r", "sma99l"):
         overrides, label = list(ARMS[base].overrides), ARMS[base].label
     elif base in ("adams", "adamw"):
         overrides, label = [f"optimizer={base}"], {"adams": "AdamS", "adamw": "AdamW"}[base]

@@ -86,18 +86,25 @@ def test_composed_arms_follow_their_recipe_and_bad_names_are_refused(monkeypatch
     assert (outer["optimizer.outer_momentum"], outer["optimizer.outer_lr"]) == ("0.9", "0.7")
     cyclic = dict(i.split("=", 1) for i in study.compose_arm("sma99+cyc+sp0.985").overrides)
     assert (cyclic["optimizer.mask_rule"], cyclic["optimizer.sparsity"]) == ("cyclic", "0.985")
-    # the arms measured before the bound followed the copies keep AdamS's largest step; sma99r is
+    # the arms measured before the bound followed the copies keep AdamS's largest step; sma99l is
     # optimizer=sparse_avg as it ships, and a bound part overrides either
     old_bound = float(1 / (1 - 0.95) ** 0.5)
     for name in ("sma90", "sma99", "sma0", "sma99q", "sma99s", "sma99s+q2"):
         arm = study.ARMS.get(name) or study.compose_arm(name)
         assert float(dict(i.split("=", 1) for i in arm.overrides)["optimizer.step_bound"]) == pytest.approx(old_bound), name
-    assert study.ARMS["sma99r"].overrides == ("optimizer=sparse_avg",)
+    assert study.ARMS["sma99l"].overrides == ("optimizer=sparse_avg",)
+    # every arm before it takes the whole local step on any copy count, as measured; a part overrides
+    for name in ("sma90", "sma99", "sma0", "sma99q", "sma99s", "sma99c", "sma99o", "sma99r"):
+        arm = study.ARMS.get(name) or study.compose_arm(name)
+        assert dict(i.split("=", 1) for i in arm.overrides)["optimizer.local_step_scale"] == "1", name
+    part = dict(i.split("=", 1) for i in study.compose_arm("sma99r+lss0.5").overrides)
+    assert part["optimizer.local_step_scale"] == "0.5"
     # the default before pins its constant density (a later part still overrides it)
     before = dict(i.split("=", 1) for i in study.ARMS["sma99o"].overrides)
     assert (before["optimizer.sparsity"], before["optimizer.density_lr_power"]) == ("0.787", "0")
     # the default before keeps the owners' re-quantization error in their copies
-    assert study.ARMS["sma99c"].overrides == ("optimizer=sparse_avg", "optimizer.requantization_error=copy")
+    assert study.ARMS["sma99c"].overrides == ("optimizer=sparse_avg", "optimizer.requantization_error=copy",
+                                              "optimizer.local_step_scale=1")
     bounded = dict(i.split("=", 1) for i in study.compose_arm("sma99s+bound13").overrides)
     assert bounded["optimizer.step_bound"] == "13" and bounded["optimizer.sparsity"] == "0.787"
     assert "optimizer.step_bound" not in dict(i.split("=", 1) for i in study.compose_arm("sma99c+sp0.9").overrides)
