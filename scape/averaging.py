@@ -171,9 +171,9 @@ def default_local_step_scale(copies: int) -> float:
 
     Where gradient noise dominates, a copy's local steps stray from x by sqrt(C) times the mean
     step's noise (each copy's momentum holds 1 / C of the batch). Some of that spread is worth
-    having: on 4 copies a smaller share is worse (0.7: +0.016, 0.5: +0.18), while on 16 copies half
-    the step is far better (docs/RESULTS.md "Copies that take part of their step"). The scale keeps
-    the copies' spread at what 4 copies have at their whole step.
+    having (on 4 copies a smaller share is worse), beyond it the copies' gradients are taken too
+    far from x: the scale keeps the copies' spread at what 4 copies have at their whole step
+    (docs/RESULTS.md "Copies that take part of their step").
     """
     return min(1.0, math.sqrt(4.0 / copies))
 
