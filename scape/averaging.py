@@ -166,16 +166,17 @@ def _take(buffer: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
     return buffer.clone() if mask is None else buffer.index_select(0, mask)
 
 
-def default_local_step_scale(copies: int) -> float:
-    """The share of its local step a copy takes by default: min(1, sqrt(4 / C)) on C copies.
+def default_local_step_scale(copies: int, power: float) -> float:
+    """The share of its local step a copy takes by default: min(1, (4 / C)^power) on C copies.
 
     Where gradient noise dominates, a copy's local steps stray from x by sqrt(C) times the mean
     step's noise (each copy's momentum holds 1 / C of the batch). Some of that spread is worth
     having (on 4 copies a smaller share is worse), beyond it the copies' gradients are taken too
-    far from x: the scale keeps the copies' spread at what 4 copies have at their whole step
-    (docs/RESULTS.md "Copies that take part of their step").
+    far from x. power 0.5 holds the spread at what 4 copies have at their whole step; the best
+    shares measured on 8 and 16 copies fall more slowly than that (docs/RESULTS.md "Copies that
+    take part of their step" and "A milder slope").
     """
-    return min(1.0, math.sqrt(4.0 / copies))
+    return min(1.0, (4.0 / copies) ** power)
 
 
 def default_step_bound(beta2: float, copies: int) -> float:
@@ -345,7 +346,8 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         # default_local_step_scale over a shared denominator, the whole step over local ones
         shared_steps = cfg.normalizer != "local" and cfg.exchange == "drift"
         self.local_step_scale = (float(cfg.local_step_scale)
-                                 or (default_local_step_scale(self.copies) if shared_steps else 1.0))
+                                 or (default_local_step_scale(self.copies, cfg.local_step_scale_power)
+                                     if shared_steps else 1.0))
         # the outer momentum u (replicated like x); None = plain averaging
         self.outer_velocity = torch.zeros_like(self.consensus) if self.outer_momentum else None
         self.mask_rule = cfg.mask_rule

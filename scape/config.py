@@ -68,8 +68,10 @@ class OptimizerConfig(DenseOptimizerConfig):
     # local_step_scale x the step, and an exchange adds the mean drift / local_step_scale to x, so
     # the consensus and the averaged model move as at 1 while the copies stray less from x
     # between exchanges (their gradients are taken nearer x); towards 0 each coordinate's update
-    # reaches x only at its exchange, a delayed dense step. 0 = min(1, sqrt(4 / copies))
+    # reaches x only at its exchange, a delayed dense step. 0 = min(1, (4 / copies)^power), power
+    # local_step_scale_power (0.5 holds the copies' spread at what 4 copies have at the whole step)
     local_step_scale: float = 1.0
+    local_step_scale_power: float = 0.37
     # ranks that train one copy together (a dense gradient all-reduce among them, as DDP): set
     # to the GPUs per node and the sparse exchange runs between nodes only, among fewer copies
     # (consecutive ranks form a copy; the exchange group is one rank of each copy)

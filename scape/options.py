@@ -49,7 +49,7 @@ def as_dataclass(cfg) -> OptimizerConfig:
 SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule", "normalizer", "exchange", "step_bound",
                         "average_momentum", "local_momentum", "density_lr_power", "min_sparsity",
                         "ranks_per_copy", "value_bits", "quantized_collective", "requantization_error",
-                        "local_step_scale")
+                        "local_step_scale", "local_step_scale_power")
 LOCAL_MOMENTA = ("own", "consensus")
 MASK_RULES = ("drift", "deviation", "random", "cyclic")
 NORMALIZERS = ("local", "shared", "revealed", "oracle")
@@ -159,7 +159,12 @@ def validate_config(cfg: OptimizerConfig) -> None:
     scale = cfg.local_step_scale
     if not (isinstance(scale, (int, float)) and 0 <= scale <= 1):
         raise ValueError(f"optimizer.local_step_scale={scale!r} must lie in [0, 1] (1 = the copies take "
-                         f"their whole local step; 0 = min(1, sqrt(4 / copies)))")
+                         f"their whole local step; 0 = min(1, (4 / copies)^local_step_scale_power))")
+    power = cfg.local_step_scale_power
+    if not (isinstance(power, (int, float)) and 0 <= power <= 1):
+        raise ValueError(f"optimizer.local_step_scale_power={power!r} must lie in [0, 1]: with local_step_scale=0 "
+                         f"the copies take min(1, (4 / copies)^power) of their step (0 = the whole step, 0.5 = "
+                         f"4 copies' spread on any number)")
     if cfg.normalizer != "local" and (cfg.outer_lr != 1 or cfg.outer_momentum != 0):
         raise ValueError(f"optimizer.normalizer={cfg.normalizer} reads the mean momentum from the plainly averaged "
                          "drift; it needs optimizer.outer_lr=1 and optimizer.outer_momentum=0")

@@ -100,8 +100,9 @@ ARMS: Dict[str, Arm] = {arm.name: arm for arm in [
 # steps' bound following the copies (the default of the eleventh to thirteenth sessions), sma99o
 # sma99c with the owners keeping their re-quantization error (the default of the fourteenth to
 # seventeenth sessions), sma99r sma99o with a density that follows the square root of the lr (the
-# default of the eighteenth session), sma99l optimizer=sparse_avg as it ships (sma99r with the
-# copies taking min(1, sqrt(4 / copies)) of their local step).
+# default of the eighteenth session), sma99l sma99r with the copies taking min(1, sqrt(4 / copies))
+# of their local step (the default of the nineteenth session), sma99m optimizer=sparse_avg as it
+# ships (sma99l with the milder slope (4 / copies)^0.37).
 # Every sma arm before sma99c keeps the bound it was measured with, AdamS's largest step
 # 1 / sqrt(1 - b2) on any copy count.
 _BOUND_BEFORE = ("optimizer.step_bound=4.47213595499958",)
@@ -146,10 +147,14 @@ ARMS["sma99r"] = Arm("sma99r", "sparse model averaging at SCAPE-99's bytes over 
                      "min(0.30 sqrt(lr_t / lr), 0.28), the bytes of sma99o over the run, at most 50.7x below "
                      "dense a step", False)
 ARMS["sma99l"] = Arm("sma99l", "sparse model averaging, density ~ sqrt(lr), copies take sqrt(4 / C) of their step",
+                     ("optimizer=sparse_avg", "optimizer.local_step_scale_power=0.5"),
+                     "optimizer=sparse_avg's defaults in the nineteenth session: sma99r with each copy taking "
+                     "min(1, sqrt(4 / copies)) of its local step and the exchange dividing the mean drift by it "
+                     "(the whole step up to 4 copies, half on 16)", False)
+ARMS["sma99m"] = Arm("sma99m", "sparse model averaging, density ~ sqrt(lr), copies take (4 / C)^0.37 of their step",
                      ("optimizer=sparse_avg",),
-                     "optimizer=sparse_avg as it ships: sma99r with each copy taking min(1, sqrt(4 / copies)) of "
-                     "its local step and the exchange dividing the mean drift by it (the whole step up to 4 "
-                     "copies, half on 16)", False)
+                     "optimizer=sparse_avg as it ships: sma99l with the milder slope min(1, (4 / copies)^0.37) "
+                     "(the whole step up to 4 copies, 0.77 on 8, 0.6 on 16)", False)
 
 
 # Composed SCAPE arms, named by their recipe: scape99+post+cap32+warm20 (see compose_arm).
@@ -191,6 +196,8 @@ _PARTS = {
     "rpc": (("optimizer.ranks_per_copy={n}",), "{n} ranks per copy"),
     # sparse_avg, shared D only: the copies take {n} of their local step, x the mean drift / {n}
     "lss": (("optimizer.local_step_scale={n}",), "copies take {n} of their local step"),
+    "lsp": (("optimizer.local_step_scale=0", "optimizer.local_step_scale_power={n}"),
+            "copies take min(1, (4 / C)^{n}) of their local step"),
     "bfloat": (("optimizer.value_dtype=bf16",), "bf16 values"),
     # sparse_avg only: the drifts travel as N-bit codes (all-gathered), the rest kept in the copy
     "q": (("optimizer.value_bits={n}",), "{n}-bit drifts"),
@@ -215,7 +222,7 @@ def compose_arm(name: str) -> Optional[Arm]:
     lrsumN (catch-up capped at N; 0 = 1 / density), warmN, clip, noclip, lrX, and for sparse
     averaging omX / olrX (outer Nesterov momentum / outer lr), dev / rand / cyc / topk (mask rule), shnorm / rvnorm / lnorm (one shared
     denominator from the drift / from momenta sent beside it / each rank's own), ornorm (D from every
-    coordinate's mean momentum each step: a decomposition tool), avgm (momenta averaged with the drifts), cmom (the local steps share one consensus momentum), momX (b1 = X, b2 the default 0.95), wdX (weight decay X), exmom (the consensus steps on the averaged momentum sums), invlrN (the density rises as the lr falls, sparsity at least N), withlr (it falls with the lr), lrpowX (it follows (lr / peak lr)^X), minspN (min_sparsity N: with withlr a cap on the density at the peak lr), rpcN (N ranks train one copy), lssX (the copies take X of their local step), qN (N-bit drifts with error feedback), car / ag (their compressed all-reduce / all-gather), own (the owners keep the re-quantization error); spX sets the sparsity, bfloat the
+    coordinate's mean momentum each step: a decomposition tool), avgm (momenta averaged with the drifts), cmom (the local steps share one consensus momentum), momX (b1 = X, b2 the default 0.95), wdX (weight decay X), exmom (the consensus steps on the averaged momentum sums), invlrN (the density rises as the lr falls, sparsity at least N), withlr (it falls with the lr), lrpowX (it follows (lr / peak lr)^X), minspN (min_sparsity N: with withlr a cap on the density at the peak lr), rpcN (N ranks train one copy), lssX (the copies take X of their local step), lspX (they take min(1, (4 / copies)^X) of it), qN (N-bit drifts with error feedback), car / ag (their compressed all-reduce / all-gather), own (the owners keep the re-quantization error); spX sets the sparsity, bfloat the
     value dtype. None if the name is
     not of that form."""
     base, *parts = name.split("+")

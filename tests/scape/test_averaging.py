@@ -1012,11 +1012,20 @@ def test_a_long_lr_warmup_keeps_the_experiments_at_scape99s_bytes(experiment):
     assert all_reduce_bytes(4 * numel, world) / max(shipped[conf.sparsity_warmup_steps:]) > 50
 
 
-def test_local_step_scale_zero_keeps_the_spread_of_four_copies():
-    """0 = min(1, sqrt(4 / copies)): the whole step up to 4 copies, half of it on 16; the whole
-    step wherever there is no shared denominator to scale the steps over."""
-    assert [default_local_step_scale(c) for c in (1, 2, 4, 16, 64)] == [1.0, 1.0, 1.0, 0.5, 0.25]
-    assert default_local_step_scale(8) == pytest.approx(0.7071, abs=1e-4)
+def test_local_step_scale_zero_follows_the_copies():
+    """0 = min(1, (4 / copies)^power): the whole step up to 4 copies; power 0.5 (the nineteenth
+    session's rule) holds 4 copies' spread, half of the step on 16; the shipped 0.37 falls more
+    slowly, 0.6 of it on 16. The whole step wherever there is no shared denominator to scale over."""
+    assert [default_local_step_scale(c, 0.5) for c in (1, 2, 4, 16, 64)] == [1.0, 1.0, 1.0, 0.5, 0.25]
+    assert default_local_step_scale(8, 0.5) == pytest.approx(0.7071, abs=1e-4)
+    shipped = _composed_sparse_avg(300)
+    assert (shipped.local_step_scale, shipped.local_step_scale_power) == (0, OptimizerConfig().local_step_scale_power)
+    power = shipped.local_step_scale_power
+    assert [default_local_step_scale(c, power) for c in (1, 4)] == [1.0, 1.0]
+    assert [round(default_local_step_scale(c, power), 2) for c in (8, 16)] == [0.77, 0.6]
+    for bad in (-0.1, 1.5, "half"):
+        with pytest.raises(ValueError, match=f"optimizer.local_step_scale_power={bad!r} must lie in \\[0, 1\\]"):
+            SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared", local_step_scale_power=bad))
     for overrides in (dict(normalizer="shared"), dict(), dict(exchange="momentum")):
         sync = SparseAverageSynchronizer(make_model(), avg_config(local_step_scale=0, **overrides))
         assert sync.local_step_scale == 1.0  # one process: one copy

@@ -86,13 +86,17 @@ def test_composed_arms_follow_their_recipe_and_bad_names_are_refused(monkeypatch
     assert (outer["optimizer.outer_momentum"], outer["optimizer.outer_lr"]) == ("0.9", "0.7")
     cyclic = dict(i.split("=", 1) for i in study.compose_arm("sma99+cyc+sp0.985").overrides)
     assert (cyclic["optimizer.mask_rule"], cyclic["optimizer.sparsity"]) == ("cyclic", "0.985")
-    # the arms measured before the bound followed the copies keep AdamS's largest step; sma99l is
+    # the arms measured before the bound followed the copies keep AdamS's largest step; sma99m is
     # optimizer=sparse_avg as it ships, and a bound part overrides either
     old_bound = float(1 / (1 - 0.95) ** 0.5)
     for name in ("sma90", "sma99", "sma0", "sma99q", "sma99s", "sma99s+q2"):
         arm = study.ARMS.get(name) or study.compose_arm(name)
         assert float(dict(i.split("=", 1) for i in arm.overrides)["optimizer.step_bound"]) == pytest.approx(old_bound), name
-    assert study.ARMS["sma99l"].overrides == ("optimizer=sparse_avg",)
+    assert study.ARMS["sma99m"].overrides == ("optimizer=sparse_avg",)
+    # sma99l keeps the nineteenth session's slope, sqrt(4 / copies)
+    assert study.ARMS["sma99l"].overrides == ("optimizer=sparse_avg", "optimizer.local_step_scale_power=0.5")
+    slope = dict(i.split("=", 1) for i in study.compose_arm("sma99r+lsp0.5").overrides)
+    assert (slope["optimizer.local_step_scale"], slope["optimizer.local_step_scale_power"]) == ("0", "0.5")
     # every arm before it takes the whole local step on any copy count, as measured; a part overrides
     for name in ("sma90", "sma99", "sma0", "sma99q", "sma99s", "sma99c", "sma99o", "sma99r"):
         arm = study.ARMS.get(name) or study.compose_arm(name)
