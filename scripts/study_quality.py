@@ -218,7 +218,7 @@ _PART_NAME = re.compile(r"([a-z]+?)((?:\d+\.?\d*|\.\d+)(?:e-?\d+)?)?")
 def compose_arm(name: str) -> Optional[Arm]:
     """An arm named by its recipe, ``base+part+part...``: base scape90 / scape99 (the spec's rule at
     that sparsity), sma90 / sma99 (sparse model averaging, bf16 drifts), sma99q / sma99s (2-bit drifts at
-    bf16-at-99%'s / SCAPE-99's bytes, the bound 1 / sqrt(1 - b2)), sma99c (with the bound by the copies), sma99o (the owners keep the re-quantization error), sma99r (the density following sqrt(lr)), sma99l (optimizer=sparse_avg's defaults) or adams / adamw; parts: post, capN /
+    bf16-at-99%'s / SCAPE-99's bytes, the bound 1 / sqrt(1 - b2)), sma99c (with the bound by the copies), sma99o (the owners keep the re-quantization error), sma99r (the density following sqrt(lr)), sma99l (the copies taking sqrt(4 / C) of their step), sma99m (optimizer=sparse_avg's defaults) or adams / adamw; parts: post, capN /
     lrsumN (catch-up capped at N; 0 = 1 / density), warmN, clip, noclip, lrX, and for sparse
     averaging omX / olrX (outer Nesterov momentum / outer lr), dev / rand / cyc / topk (mask rule), shnorm / rvnorm / lnorm (one shared
     denominator from the drift / from momenta sent beside it / each rank's own), ornorm (D from every
@@ -233,7 +233,7 @@ def compose_arm(name: str) -> Optional[Arm]:
     elif base in ("sma90", "sma99"):
         overrides, label = (["optimizer=sparse_avg", f"optimizer.sparsity=0.{base[-2:]}", *_BF16_DRIFTS],
                             f"sparse avg {base[-2:]}%")
-    elif base in ("sma99q", "sma99s", "sma99c", "sma99o", "sma99r", "sma99l"):
+    elif base in ("sma99q", "sma99s", "sma99c", "sma99o", "sma99r", "sma99l", "sma99m"):
         overrides, label = list(ARMS[base].overrides), ARMS[base].label
     elif base in ("adams", "adamw"):
         overrides, label = [f"optimizer={base}"], {"adams": "AdamS", "adamw": "AdamW"}[base]

@@ -95,6 +95,7 @@ def test_composed_arms_follow_their_recipe_and_bad_names_are_refused(monkeypatch
     assert study.ARMS["sma99m"].overrides == ("optimizer=sparse_avg",)
     # sma99l keeps the nineteenth session's slope, sqrt(4 / copies)
     assert study.ARMS["sma99l"].overrides == ("optimizer=sparse_avg", "optimizer.local_step_scale_power=0.5")
+    assert study.compose_arm("sma99m+lr2e-3").overrides == ("optimizer=sparse_avg", "optimizer.lr=2e-3")
     slope = dict(i.split("=", 1) for i in study.compose_arm("sma99r+lsp0.5").overrides)
     assert (slope["optimizer.local_step_scale"], slope["optimizer.local_step_scale_power"]) == ("0", "0.5")
     # every arm before it takes the whole local step on any copy count, as measured; a part overrides
