@@ -31,9 +31,11 @@ One step t, in the loop's order
                       all-reduce of the momenta (kind oracle) feeds D everywhere (a decomposition
                       tool).
     clip_gradients    every worker is its own optimizer: this rank's gradient is clipped by its
-                      own norm. The returned norm is sqrt(mean_i ||g_i||^2), the root mean square
-                      of the local norms, from the all-reduced squared norms: every rank gets the
-                      same number, so a non-finite step is skipped by all ranks together.
+                      own norm, or (grad_clip_scope=shared) every rank's by one factor, grad_clip
+                      over the returned norm. The returned norm is sqrt(mean_i ||g_i||^2), the
+                      root mean square of the local norms, from the all-reduced squared norms:
+                      every rank gets the same number, so a non-finite step is skipped by all
+                      ranks together.
     step              normalizer=local: dense AdamS on y_i with the local gradient and the
                       local momentum (``scape.kernels.adams_dense_update``: decoupled weight
                       decay on the ndim >= 2 prefix of the flat layout, dense AdamS's arithmetic);
@@ -342,6 +344,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             self.copy_comm = self.comm.in_group(groups[self.rank // size])
             self.exchange_comm = self.comm.in_group(groups[self.copies + self.rank % size])
         self.outer_lr, self.outer_momentum = float(cfg.outer_lr), float(cfg.outer_momentum)
+        self.clip_scope = cfg.grad_clip_scope
         # the share of its local step a copy takes; the mean drift is divided by it into x. 0:
         # default_local_step_scale over a shared denominator, the whole step over local ones
         shared_steps = cfg.normalizer != "local" and cfg.exchange == "drift"
@@ -701,11 +704,15 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
 
     @torch.no_grad()
     def clip_gradients(self, max_norm: float) -> float:
-        """Clip this rank's gradient by its own norm; return the ranks' RMS norm (the same everywhere)."""
-        if max_norm > 0:
-            self.flat.grad.mul_(torch.clamp(max_norm / (self._local_norm + 1e-6), max=1.0))
+        """Clip this rank's gradient by its own norm (grad_clip_scope=rank) or by the ranks' RMS norm
+        (shared: one factor everywhere); return the ranks' RMS norm (the same everywhere)."""
         total = float(self._global_sq)
-        return math.sqrt(total / self.copies) if math.isfinite(total) else total
+        rms = math.sqrt(total / self.copies) if math.isfinite(total) else total
+        if max_norm > 0 and self.clip_scope == "rank":
+            self.flat.grad.mul_(torch.clamp(max_norm / (self._local_norm + 1e-6), max=1.0))
+        elif max_norm > 0:
+            self.flat.grad.mul_(min(1.0, max_norm / (rms + 1e-6)))
+        return rms
 
     @torch.no_grad()
     def step(self, lr: float) -> None:

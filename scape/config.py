@@ -72,6 +72,11 @@ class OptimizerConfig(DenseOptimizerConfig):
     # local_step_scale_power (0.5 holds the copies' spread at what 4 copies have at the whole step)
     local_step_scale: float = 1.0
     local_step_scale_power: float = 0.37
+    # whose norm clips a copy's gradient at grad_clip: rank (each copy by its own norm, so the
+    # mean gradient weighs each copy's by 1 / its norm while it is clipped) or shared (every copy
+    # by the same factor, grad_clip / the copies' RMS norm: the mean is the mean gradient scaled
+    # once, as DDP's clip scales it; no extra bytes, the squared norms already cross)
+    grad_clip_scope: str = "rank"
     # ranks that train one copy together (a dense gradient all-reduce among them, as DDP): set
     # to the GPUs per node and the sparse exchange runs between nodes only, among fewer copies
     # (consecutive ranks form a copy; the exchange group is one rank of each copy)

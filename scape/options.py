@@ -49,13 +49,14 @@ def as_dataclass(cfg) -> OptimizerConfig:
 SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule", "normalizer", "exchange", "step_bound",
                         "average_momentum", "local_momentum", "density_lr_power", "min_sparsity",
                         "ranks_per_copy", "value_bits", "quantized_collective", "requantization_error",
-                        "local_step_scale", "local_step_scale_power")
+                        "local_step_scale", "local_step_scale_power", "grad_clip_scope")
 LOCAL_MOMENTA = ("own", "consensus")
 MASK_RULES = ("drift", "deviation", "random", "cyclic")
 NORMALIZERS = ("local", "shared", "revealed", "oracle")
 EXCHANGES = ("drift", "momentum")
 QUANTIZED_COLLECTIVES = ("all_gather", "compressed_all_reduce")
 REQUANTIZATION_ERRORS = ("copy", "owner")
+GRAD_CLIP_SCOPES = ("rank", "shared")
 
 
 def refuse_foreign_keys(cfg: OptimizerConfig, keys, owner: str, here: str) -> None:
@@ -145,6 +146,7 @@ def validate_config(cfg: OptimizerConfig) -> None:
         raise ValueError(f"optimizer.quantized_collective={cfg.quantized_collective} says how quantized drifts "
                          f"travel; it needs optimizer.value_bits=1, 2 or 4")
     _choice("requantization_error", cfg.requantization_error, REQUANTIZATION_ERRORS)
+    _choice("grad_clip_scope", cfg.grad_clip_scope, GRAD_CLIP_SCOPES)
     if cfg.requantization_error != "copy" and cfg.quantized_collective != "compressed_all_reduce":
         raise ValueError(f"optimizer.requantization_error={cfg.requantization_error} says where the owners' second "
                          f"quantization error goes; it needs optimizer.quantized_collective=compressed_all_reduce")

@@ -167,6 +167,9 @@ _PARTS = {
     "warm": (("optimizer.sparsity_warmup_steps={n}",), "sparsity warm-up {n} steps"),
     "clip": (("optimizer.lossless_clip=true",), "lossless clip"),
     "noclip": (("optimizer.grad_clip=0",), "no clipping"),
+    "gc": (("optimizer.grad_clip={n}",), "clipped at {n}"),
+    # sparse_avg only: every copy's gradient clipped by one factor, grad_clip / the copies' RMS norm
+    "clipsh": (("optimizer.grad_clip_scope=shared",), "one clip factor for all copies"),
     "lr": (("optimizer.lr={n}",), "lr {n}"),
     "om": (("optimizer.outer_momentum={n}",), "outer momentum {n}"),  # sparse_avg only
     "olr": (("optimizer.outer_lr={n}",), "outer lr {n}"),  # sparse_avg only
@@ -219,10 +222,10 @@ def compose_arm(name: str) -> Optional[Arm]:
     """An arm named by its recipe, ``base+part+part...``: base scape90 / scape99 (the spec's rule at
     that sparsity), sma90 / sma99 (sparse model averaging, bf16 drifts), sma99q / sma99s (2-bit drifts at
     bf16-at-99%'s / SCAPE-99's bytes, the bound 1 / sqrt(1 - b2)), sma99c (with the bound by the copies), sma99o (the owners keep the re-quantization error), sma99r (the density following sqrt(lr)), sma99l (the copies taking sqrt(4 / C) of their step), sma99m (optimizer=sparse_avg's defaults) or adams / adamw; parts: post, capN /
-    lrsumN (catch-up capped at N; 0 = 1 / density), warmN, clip, noclip, lrX, and for sparse
+    lrsumN (catch-up capped at N; 0 = 1 / density), warmN, clip, noclip, gcN (clipped at N), lrX, and for sparse
     averaging omX / olrX (outer Nesterov momentum / outer lr), dev / rand / cyc / topk (mask rule), shnorm / rvnorm / lnorm (one shared
     denominator from the drift / from momenta sent beside it / each rank's own), ornorm (D from every
-    coordinate's mean momentum each step: a decomposition tool), avgm (momenta averaged with the drifts), cmom (the local steps share one consensus momentum), momX (b1 = X, b2 the default 0.95), wdX (weight decay X), exmom (the consensus steps on the averaged momentum sums), invlrN (the density rises as the lr falls, sparsity at least N), withlr (it falls with the lr), lrpowX (it follows (lr / peak lr)^X), minspN (min_sparsity N: with withlr a cap on the density at the peak lr), rpcN (N ranks train one copy), lssX (the copies take X of their local step), lspX (they take min(1, (4 / copies)^X) of it), qN (N-bit drifts with error feedback), car / ag (their compressed all-reduce / all-gather), own (the owners keep the re-quantization error); spX sets the sparsity, bfloat the
+    coordinate's mean momentum each step: a decomposition tool), avgm (momenta averaged with the drifts), cmom (the local steps share one consensus momentum), momX (b1 = X, b2 the default 0.95), wdX (weight decay X), exmom (the consensus steps on the averaged momentum sums), invlrN (the density rises as the lr falls, sparsity at least N), withlr (it falls with the lr), lrpowX (it follows (lr / peak lr)^X), minspN (min_sparsity N: with withlr a cap on the density at the peak lr), rpcN (N ranks train one copy), clipsh (one clip factor for all copies), lssX (the copies take X of their local step), lspX (they take min(1, (4 / copies)^X) of it), qN (N-bit drifts with error feedback), car / ag (their compressed all-reduce / all-gather), own (the owners keep the re-quantization error); spX sets the sparsity, bfloat the
     value dtype. None if the name is
     not of that form."""
     base, *parts = name.split("+")

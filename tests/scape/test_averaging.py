@@ -175,9 +175,10 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
                 for m in ms:
                     m[sel] = mean_m
         c = 1 - b1 ** t
-        for g in grads:  # every rank clips by its own norm
+        rms = (sum(g.norm() ** 2 for g in grads) / copies).sqrt()
+        for g in grads:  # every rank clips by its own norm, or all by their RMS norm
             if max_norm > 0:
-                g *= torch.clamp(max_norm / (g.norm() + 1e-6), max=1.0)
+                g *= torch.clamp(max_norm / ((g.norm() if cfg.grad_clip_scope == "rank" else rms) + 1e-6), max=1.0)
         if shared and t == 1:  # the clipped mean gradient starts D and is everyone's gradient
             mean_grad = sum(grads) / copies
             second, last_sent[:] = (1 - b2) * mean_grad ** 2, 1
@@ -272,7 +273,11 @@ REFERENCE_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.8, dense_warmup_steps=3
                           min_sparsity=0.75, value_bits=2, quantized_collective="compressed_all_reduce",
                           requantization_error="owner", local_step_scale=0.5),
                      dict(sparsity=0.9, normalizer="shared", local_momentum="consensus", local_step_scale=0.3,
-                          dense_warmup_steps=2)]
+                          dense_warmup_steps=2),
+                     # every copy's gradient clipped by one factor, from the copies' RMS norm
+                     dict(sparsity=0.6, mask_rule="cyclic", normalizer="shared", density_lr_power=0.5,
+                          min_sparsity=0.75, value_bits=2, quantized_collective="compressed_all_reduce",
+                          requantization_error="owner", local_step_scale=0.5, grad_clip_scope="shared")]
 
 
 def decaying_lr(step: int) -> float:
