@@ -875,6 +875,10 @@ def test_settings_are_checked_and_the_builders_dispatch():
             SparseAverageSynchronizer(make_model(), avg_config(local_step_scale=0.5, **bad))
     with pytest.raises(ValueError, match="optimizer.local_step_scale=0.5 is a sparse_avg option"):
         scape.build_synchronizer(make_model(), avg_config(name="scape", local_step_scale=0.5))
+    with pytest.raises(ValueError, match="optimizer.grad_clip_scope='global' is not supported; allowed values: rank, shared"):
+        SparseAverageSynchronizer(make_model(), avg_config(grad_clip_scope="global"))
+    with pytest.raises(ValueError, match="optimizer.grad_clip_scope='shared' is a sparse_avg option"):
+        scape.build_synchronizer(make_model(), avg_config(name="scape", grad_clip_scope="shared"))
     halves = SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared", local_step_scale=0.5))
     train(halves.model, halves, 2, 0)
     whole = SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared"))
