@@ -218,12 +218,14 @@ class _SharedNormalizer:
     """
 
     def __init__(self, like: torch.Tensor, beta: float, eps: float, max_covered: Optional[float] = None,
-                 bound: float = 0.0, copies: int = 1) -> None:
+                 bound: float = 0.0, copies: int = 1, fresh_bound: float = 0.0) -> None:
         self.beta, self.eps = beta, eps
         # normalizer=revealed: one revealed momentum is one sample, worth at most the momentum's
         # correlation time 1 / (1 - b1) of steps however long the interval was
         self.max_covered = max_covered
         self.bound = bound or default_step_bound(beta, copies)
+        # fresh_step_bound: the bound where D was refreshed at this step's exchange
+        self.fresh_bound = fresh_bound or self.bound
         self.second = torch.zeros_like(like)  # the average of q^2, not bias-corrected
         self.lr_sum = torch.zeros_like(like)  # learning rates summed since the last exchange
         self.last = torch.zeros(like.numel(), dtype=torch.int32, device=like.device)
@@ -270,7 +272,7 @@ class _SharedNormalizer:
         self.reveal(q, mask, step)
 
     def local_step(self, param: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor, lr: float,
-                   beta1: float, bias_correction: float, weight_decay: float, decay_end: int,
+                   beta1: float, bias_correction: float, weight_decay: float, decay_end: int, step: int,
                    frozen: bool = False, scale: float = 1.0) -> None:
         """y *= 1 - s lr wd (decay range); m = b1 m + (1 - b1) g; y -= s lr clamp((m / bc) / D, +-c).
 
@@ -286,7 +288,9 @@ class _SharedNormalizer:
         whose D is still tiny, and -- at long exchange intervals, where q's average over the
         interval shrinks D under noise -- most coordinates late in training at 99% sparsity
         (docs/RESULTS.md), whose local steps are then sign steps. Logged as
-        ``scape/clamped_fraction``.
+        ``scape/clamped_fraction``. Where D was refreshed at this step's exchange (every coordinate
+        at density 1) the bound is ``optimizer.fresh_step_bound`` if set: there D holds the mean
+        momentum of the step before, so a step over it is not taken over an old scale.
         """
         if weight_decay != 0.0 and decay_end > 0:
             param[:decay_end].mul_(1.0 - scale * lr * weight_decay)
@@ -296,8 +300,11 @@ class _SharedNormalizer:
         else:
             momentum.mul_(beta1).add_(grad, alpha=1.0 - beta1)
             update = torch.div(momentum, self.denominator).mul_(1.0 / bias_correction)
-        self.clamped = (update.abs() > self.bound).sum()  # a device tensor: read at log steps only
-        param.add_(update.clamp_(-self.bound, self.bound), alpha=-scale * lr)
+        bound: Any = self.bound
+        if self.fresh_bound != self.bound:
+            bound = torch.where(self.last == step, self.fresh_bound, self.bound)
+        self.clamped = (update.abs() > bound).sum()  # a device tensor: read at log steps only
+        param.add_(update.clamp_(-bound, bound), alpha=-scale * lr)
         self.lr_sum.add_(lr)
 
     STATE_KEYS = ("second", "lr_sum", "last", "denominator")
@@ -391,6 +398,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self.normalizer = _SharedNormalizer(
             self.consensus, float(cfg.betas[1]), float(cfg.eps),
             1.0 / (1.0 - float(cfg.betas[0])) if self.revealed else None, float(cfg.step_bound), self.copies,
+            float(cfg.fresh_step_bound),
         ) if cfg.normalizer in ("shared", "revealed", "oracle") or momentum_exchange else None
         # exchange=momentum: A_i, this rank's lr-weighted sum of its bias-corrected momentum
         # since each coordinate's last exchange (what the ranks average instead of the drift)
@@ -734,7 +742,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             opt = self.optimizer
             opt.param_groups[0]["lr"] = lr
             self.normalizer.local_step(self.flat.data, opt.momentum, self.flat.grad, lr, opt.beta1,
-                                       1.0 - opt.beta1 ** step, opt.weight_decay, opt.decay_end,
+                                       1.0 - opt.beta1 ** step, opt.weight_decay, opt.decay_end, step,
                                        frozen=self.consensus_momentum, scale=self.local_step_scale)
         self.step_count = step
 

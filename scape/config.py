@@ -85,6 +85,9 @@ class OptimizerConfig(DenseOptimizerConfig):
     # AdamS's largest step on one copy's share of the batch (a small bound makes the local steps
     # sign steps of size lr * bound)
     step_bound: float = 0.0
+    # the bound where a coordinate's D was refreshed at this step's exchange (its age is 0; every
+    # coordinate at density 1); 0 = step_bound. Between exchanges D ages, and the bound is for that
+    fresh_step_bound: float = 0.0
     # what the all-reduce averages: the drift y_i - x (the copies' mean becomes the consensus), or
     # momentum: each rank's lr-weighted sum of its momentum since the coordinate's last exchange,
     # on which the consensus takes its own step over one shared denominator (the copies only

@@ -47,7 +47,7 @@ def as_dataclass(cfg) -> OptimizerConfig:
 
 # keys that only optimizer=sparse_avg reads (scape/averaging.py has the list the other way round)
 SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule", "normalizer", "exchange", "step_bound",
-                        "average_momentum", "local_momentum", "density_lr_power", "min_sparsity",
+                        "fresh_step_bound", "average_momentum", "local_momentum", "density_lr_power", "min_sparsity",
                         "ranks_per_copy", "value_bits", "quantized_collective", "requantization_error",
                         "local_step_scale", "local_step_scale_power", "grad_clip_scope")
 LOCAL_MOMENTA = ("own", "consensus")
@@ -109,6 +109,10 @@ def validate_config(cfg: OptimizerConfig) -> None:
     if not (isinstance(cfg.step_bound, (int, float)) and math.isfinite(cfg.step_bound) and cfg.step_bound >= 0):
         raise ValueError(f"optimizer.step_bound={cfg.step_bound!r} must be a number >= 0 "
                          f"(0 = sqrt(copies / (1 - b2)), AdamS's largest step on a copy's share of the batch)")
+    fresh = cfg.fresh_step_bound
+    if not (isinstance(fresh, (int, float)) and math.isfinite(fresh) and fresh >= 0):
+        raise ValueError(f"optimizer.fresh_step_bound={fresh!r} must be a number >= 0 "
+                         f"(0 = optimizer.step_bound on every coordinate)")
     _choice("average_momentum", cfg.average_momentum, (True, False))
     if cfg.average_momentum and cfg.exchange == "momentum":
         raise ValueError("optimizer.average_momentum=true snaps the momenta where the drifts are averaged; "
@@ -150,6 +154,9 @@ def validate_config(cfg: OptimizerConfig) -> None:
     if cfg.requantization_error != "copy" and cfg.quantized_collective != "compressed_all_reduce":
         raise ValueError(f"optimizer.requantization_error={cfg.requantization_error} says where the owners' second "
                          f"quantization error goes; it needs optimizer.quantized_collective=compressed_all_reduce")
+    if fresh and cfg.normalizer == "local":
+        raise ValueError(f"optimizer.fresh_step_bound={fresh} bounds the steps over a freshly exchanged shared "
+                         f"denominator; it needs optimizer.normalizer=shared, revealed or oracle")
     if cfg.step_bound and cfg.normalizer == "local":
         raise ValueError(f"optimizer.step_bound={cfg.step_bound} bounds the steps over a shared denominator; "
                          f"it needs optimizer.normalizer=shared, revealed or oracle")

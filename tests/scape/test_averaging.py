@@ -90,6 +90,7 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
     summed = cfg.exchange == "momentum"  # the consensus steps on the mean momentum sum over D
     frozen = cfg.local_momentum == "consensus"  # one momentum M for all ranks, re-estimated at exchanges
     bound = cfg.step_bound or (copies / (1 - b2)) ** 0.5  # AdamS's largest step on a copy's batch
+    fresh_bound = cfg.fresh_step_bound or bound  # ... where D was exchanged at this step
     sums = [torch.zeros_like(x) for _ in range(copies)]
     second, lr_sum, last_sent, denom = torch.zeros_like(x), torch.zeros_like(x), torch.zeros_like(x), None
     owner = cfg.requantization_error == "owner"  # the owners keep their mean's second quantization error
@@ -186,14 +187,15 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
             grads = [mean_grad.clone() for _ in grads]
             if frozen:
                 ms = [mean_grad.clone() for _ in ms]
+        step_bound = torch.where(last_sent == t, fresh_bound, bound)
         for g, y, m in zip(grads, ys, ms):  # local AdamS
             y[:decay_end] *= 1 - scale * lr * wd
             if frozen:
-                y -= scale * lr * ((b1 * m + (1 - b1) * g) / denom).clamp(-bound, bound)
+                y -= scale * lr * ((b1 * m + (1 - b1) * g) / denom).clamp(-step_bound, step_bound)
                 continue
             if shared:
                 m.mul_(b1).add_((1 - b1) * g)
-                y -= scale * lr * ((m / c) / denom).clamp(-bound, bound)
+                y -= scale * lr * ((m / c) / denom).clamp(-step_bound, step_bound)
                 continue
             local_denom = (b2 * (m / c) ** 2 + (1 - b2) * g ** 2).sqrt() + eps
             m.mul_(b1).add_((1 - b1) * g)
@@ -241,6 +243,9 @@ REFERENCE_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.8, dense_warmup_steps=3
                      dict(sparsity=0.9, normalizer="shared", dense_warmup_steps=2),
                      dict(sparsity=0.8, mask_rule="cyclic", normalizer="revealed", sparsity_warmup_steps=4),
                      dict(sparsity=0.9, mask_rule="cyclic", normalizer="shared", step_bound=0.5),
+                     # a looser bound where D was exchanged at the step (all of it while dense)
+                     dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", step_bound=0.5,
+                          fresh_step_bound=2.0, dense_warmup_steps=2),
                      dict(sparsity=0.8, mask_rule="cyclic", exchange="momentum", sparsity_warmup_steps=4),
                      dict(sparsity=0.9, exchange="momentum", dense_warmup_steps=3),
                      dict(sparsity=0.8, mask_rule="cyclic", normalizer="oracle", sparsity_warmup_steps=4),
@@ -821,6 +826,12 @@ def test_settings_are_checked_and_the_builders_dispatch():
         SparseAverageSynchronizer(make_model(), avg_config(step_bound=0.5))
     with pytest.raises(ValueError, match="step_bound=-1 must be a number >= 0"):
         SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared", step_bound=-1))
+    with pytest.raises(ValueError, match="fresh_step_bound=2 bounds the steps over a freshly exchanged"):
+        SparseAverageSynchronizer(make_model(), avg_config(fresh_step_bound=2))
+    with pytest.raises(ValueError, match=r"fresh_step_bound=nan must be a number >= 0"):
+        SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared", fresh_step_bound=float("nan")))
+    with pytest.raises(ValueError, match="optimizer.fresh_step_bound=2 "):  # SCAPE has no shared denominator
+        scape.build_synchronizer(make_model(), avg_config(name="scape", fresh_step_bound=2))
     with pytest.raises(ValueError, match="optimizer.exchange='gradient'"):
         SparseAverageSynchronizer(make_model(), avg_config(exchange="gradient"))
     with pytest.raises(ValueError, match="exchange=momentum .* needs optimizer.normalizer=local"):
