@@ -273,7 +273,7 @@ class _SharedNormalizer:
 
     def local_step(self, param: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor, lr: float,
                    beta1: float, bias_correction: float, weight_decay: float, decay_end: int, step: int,
-                   frozen: bool = False, scale: float = 1.0) -> None:
+                   frozen: bool = False, scale: float = 1.0, excess: Optional[torch.Tensor] = None) -> None:
         """y *= 1 - s lr wd (decay range); m = b1 m + (1 - b1) g; y -= s lr clamp((m / bc) / D, +-c).
 
         s is ``local_step_scale``: the copy takes that share of its step, while the lr sum that
@@ -291,6 +291,9 @@ class _SharedNormalizer:
         ``scape/clamped_fraction``. Where D was refreshed at this step's exchange (every coordinate
         at density 1) the bound is ``optimizer.fresh_step_bound`` if set: there D holds the mean
         momentum of the step before, so a step over it is not taken over an old scale.
+
+        ``excess`` (clamp_excess=send): what the bound cuts, -s lr (u - clamp(u)), is added to it,
+        to be sent with the drift at the coordinate's next exchange.
         """
         if weight_decay != 0.0 and decay_end > 0:
             param[:decay_end].mul_(1.0 - scale * lr * weight_decay)
@@ -304,7 +307,13 @@ class _SharedNormalizer:
         if self.fresh_bound != self.bound:
             bound = torch.where(self.last == step, self.fresh_bound, self.bound)
         self.clamped = (update.abs() > bound).sum()  # a device tensor: read at log steps only
-        param.add_(update.clamp_(-bound, bound), alpha=-scale * lr)
+        if excess is not None:
+            clamped = update.clamp(-bound, bound)
+            excess.add_(update.sub_(clamped), alpha=-scale * lr)
+            update = clamped
+        else:
+            update.clamp_(-bound, bound)
+        param.add_(update, alpha=-scale * lr)
         self.lr_sum.add_(lr)
 
     STATE_KEYS = ("second", "lr_sum", "last", "denominator")
@@ -403,6 +412,9 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         # exchange=momentum: A_i, this rank's lr-weighted sum of its bias-corrected momentum
         # since each coordinate's last exchange (what the ranks average instead of the drift)
         self.accumulated = torch.zeros_like(self.consensus) if momentum_exchange else None
+        # clamp_excess=send: what the step bound cut off this copy's local steps since each
+        # coordinate's last exchange, part of the drift it sends there
+        self.clamp_excess = torch.zeros_like(self.consensus) if cfg.clamp_excess == "send" else None
 
         self.step_count = 0  # steps completed
         self._local_norm: Optional[torch.Tensor] = None
@@ -438,6 +450,12 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
                 sent = _take(self.accumulated, mask)
             else:
                 sent = y - x if mask is None else y.index_select(0, mask) - x.index_select(0, mask)
+                if self.clamp_excess is not None:  # what the bound cut goes with it, and is then sent
+                    sent.add_(_take(self.clamp_excess, mask))
+                    if mask is None:
+                        self.clamp_excess.zero_()
+                    else:
+                        self.clamp_excess.index_fill_(0, mask, 0.0)
         if self.value_bits:
             mean, kept = self._exchange_quantized(sent, count, mask)
         else:
@@ -701,6 +719,8 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             torch.abs(self.accumulated[own], out=self.score)
             return
         torch.sub(self.flat.data[own], self.consensus[own], out=self.score)
+        if self.clamp_excess is not None:  # the drift it would send holds what the bound cut
+            self.score.add_(self.clamp_excess[own])
         if self.mean_error is not None:  # what the mean still owes there (this rank's partitions
             # lie in its copy's chunk of the compressed all-reduce)
             start = self.layout.owned_start - self.mean_error_start
@@ -743,7 +763,8 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             opt.param_groups[0]["lr"] = lr
             self.normalizer.local_step(self.flat.data, opt.momentum, self.flat.grad, lr, opt.beta1,
                                        1.0 - opt.beta1 ** step, opt.weight_decay, opt.decay_end, step,
-                                       frozen=self.consensus_momentum, scale=self.local_step_scale)
+                                       frozen=self.consensus_momentum, scale=self.local_step_scale,
+                                       excess=self.clamp_excess)
         self.step_count = step
 
     @torch.no_grad()
@@ -777,6 +798,8 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             # the exchange of step t + 1 covers the local steps up to t
             return self._consensus_update(mean_sum.div_(self.copies), None, self.step_count + 1)[0]
         drift = self.flat.data - self.consensus
+        if self.clamp_excess is not None:  # what the bound cut is the copy's drift too
+            drift.add_(self.clamp_excess)
         if self.mean_error is not None:  # the owners' pending errors: C e_i, so the mean adds sum_i e_i
             start = self.mean_error_start
             drift[start:start + self.mean_error.numel()].add_(self.mean_error, alpha=self.copies)
@@ -890,6 +913,8 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
                  "rank": self.rank, "layout": self.masks.layout_record()}
         if self.accumulated is not None:
             state["accumulated"] = self.accumulated.detach().cpu().clone()
+        if self.clamp_excess is not None:
+            state["clamp_excess"] = self.clamp_excess.detach().cpu().clone()
         if self.mean_error is not None:
             state.update(mean_error=self.mean_error.detach().cpu().clone(),
                          mean_error_start=self.mean_error_start, copies=self.copies)
@@ -906,11 +931,17 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             written = "momentum" if "accumulated" in state else "drift"
             raise ValueError(f"this rank's checkpoint was written with optimizer.exchange={written}; "
                              f"resume with the exchange that wrote it")
+        if (self.clamp_excess is None) != ("clamp_excess" not in state):
+            written = "send" if "clamp_excess" in state else "drop"
+            raise ValueError(f"this rank's checkpoint was written with optimizer.clamp_excess={written}; "
+                             f"resume with the clamp_excess that wrote it")
         with torch.no_grad():
             self.flat.data.copy_(state["params"])
             self.optimizer.momentum.copy_(state["momentum"])
             if self.accumulated is not None:
                 self.accumulated.copy_(state["accumulated"])
+            if self.clamp_excess is not None:
+                self.clamp_excess.copy_(state["clamp_excess"])
             # requantization_error: a pending error moves losslessly between its two homes (the
             # owner's buffer, or C times into the owner's copy), so either setting resumes either
             if self.mean_error is not None:
@@ -965,6 +996,8 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
                 raise ValueError("a rank's checkpoint file holds no momentum sums: it was written with "
                                  "optimizer.exchange=drift; resume with the exchange that wrote it")
             out = {key: local[key] for key in keys}
+            if self.clamp_excess is not None:  # none cut (written with clamp_excess=drop): zeros
+                out["clamp_excess"] = local.get("clamp_excess", torch.zeros_like(local["params"]))
             if "mean_error" in local:  # the owner's pending error joins its copy (C times): the
                 # mean of the old copies is then the average model, and no error is pending here
                 error, start = local["mean_error"], int(local["mean_error_start"])
@@ -974,12 +1007,16 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
 
         keys = ("params", "momentum") + (("accumulated",) if self.accumulated is not None else ())
         like = {key: torch.empty(old["padded_numel"]) for key in keys}
+        if self.clamp_excess is not None:
+            like["clamp_excess"] = torch.empty(old["padded_numel"])
         mean = shards.mean(copy_and_momentum, like, self.comm, self.rank, self.world, self.device)
         with torch.no_grad():
             self.flat.data.copy_(repad(mean["params"].cpu(), numel, padded))
             self.optimizer.momentum.copy_(repad(mean["momentum"].cpu(), numel, padded))
             if self.accumulated is not None:
                 self.accumulated.copy_(repad(mean["accumulated"].cpu(), numel, padded))
+            if self.clamp_excess is not None:
+                self.clamp_excess.copy_(repad(mean["clamp_excess"].cpu(), numel, padded))
         following = self.step_count + 1
         if "mask" in state and not self.is_dense(following):
             self._choose_mask(following, async_op=False, overlap=False)

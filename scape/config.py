@@ -88,6 +88,10 @@ class OptimizerConfig(DenseOptimizerConfig):
     # the bound where a coordinate's D was refreshed at this step's exchange (its age is 0; every
     # coordinate at density 1); 0 = step_bound. Between exchanges D ages, and the bound is for that
     fresh_step_bound: float = 0.0
+    # what the bound cuts off a local step: drop (lost, the rule so far) or send (kept beside the
+    # copy and added to its drift at the coordinate's next exchange: the copy stays within the
+    # bound while the consensus moves by the mean of the unbounded steps; one more flat buffer)
+    clamp_excess: str = "drop"
     # what the all-reduce averages: the drift y_i - x (the copies' mean becomes the consensus), or
     # momentum: each rank's lr-weighted sum of its momentum since the coordinate's last exchange,
     # on which the consensus takes its own step over one shared denominator (the copies only

@@ -47,7 +47,7 @@ def as_dataclass(cfg) -> OptimizerConfig:
 
 # keys that only optimizer=sparse_avg reads (scape/averaging.py has the list the other way round)
 SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule", "normalizer", "exchange", "step_bound",
-                        "fresh_step_bound", "average_momentum", "local_momentum", "density_lr_power", "min_sparsity",
+                        "fresh_step_bound", "clamp_excess", "average_momentum", "local_momentum", "density_lr_power", "min_sparsity",
                         "ranks_per_copy", "value_bits", "quantized_collective", "requantization_error",
                         "local_step_scale", "local_step_scale_power", "grad_clip_scope")
 LOCAL_MOMENTA = ("own", "consensus")
@@ -57,6 +57,7 @@ EXCHANGES = ("drift", "momentum")
 QUANTIZED_COLLECTIVES = ("all_gather", "compressed_all_reduce")
 REQUANTIZATION_ERRORS = ("copy", "owner")
 GRAD_CLIP_SCOPES = ("rank", "shared")
+CLAMP_EXCESSES = ("drop", "send")
 
 
 def refuse_foreign_keys(cfg: OptimizerConfig, keys, owner: str, here: str) -> None:
@@ -154,6 +155,11 @@ def validate_config(cfg: OptimizerConfig) -> None:
     if cfg.requantization_error != "copy" and cfg.quantized_collective != "compressed_all_reduce":
         raise ValueError(f"optimizer.requantization_error={cfg.requantization_error} says where the owners' second "
                          f"quantization error goes; it needs optimizer.quantized_collective=compressed_all_reduce")
+    _choice("clamp_excess", cfg.clamp_excess, CLAMP_EXCESSES)
+    if cfg.clamp_excess != "drop" and (cfg.normalizer == "local" or cfg.exchange != "drift"):
+        raise ValueError(f"optimizer.clamp_excess={cfg.clamp_excess} sends what the step bound cuts off a local "
+                         f"step over a shared denominator with the drift; it needs optimizer.normalizer=shared, "
+                         f"revealed or oracle and optimizer.exchange=drift")
     if fresh and cfg.normalizer == "local":
         raise ValueError(f"optimizer.fresh_step_bound={fresh} bounds the steps over a freshly exchanged shared "
                          f"denominator; it needs optimizer.normalizer=shared, revealed or oracle")

@@ -92,6 +92,8 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
     bound = cfg.step_bound or (copies / (1 - b2)) ** 0.5  # AdamS's largest step on a copy's batch
     fresh_bound = cfg.fresh_step_bound or bound  # ... where D was exchanged at this step
     sums = [torch.zeros_like(x) for _ in range(copies)]
+    cut = [torch.zeros_like(x) for _ in range(copies)]  # clamp_excess=send: what the bound cut
+    send_cut = cfg.clamp_excess == "send"
     second, lr_sum, last_sent, denom = torch.zeros_like(x), torch.zeros_like(x), torch.zeros_like(x), None
     owner = cfg.requantization_error == "owner"  # the owners keep their mean's second quantization error
     pending = torch.zeros_like(x)  # ... here, each copy's over its own chunk (they are disjoint)
@@ -125,7 +127,9 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
                 lr_sum[sel], last_sent[sel] = 0, t
                 for y, a in zip(ys, sums):
                     y[sel], a[sel] = x[sel], 0
-            drifts = [y[sel] - x[sel] for y in ys]
+            drifts = [y[sel] - x[sel] + e[sel] for y, e in zip(ys, cut)]
+            for e in cut:
+                e[sel] = 0
             if cfg.value_bits:  # each copy sends its drift as codes and keeps what they leave out
                 if cfg.quantized_collective == "all_gather":
                     sent = [quantized(d, cfg.value_bits, cfg.value_dtype) for d in drifts]
@@ -188,14 +192,15 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
             if frozen:
                 ms = [mean_grad.clone() for _ in ms]
         step_bound = torch.where(last_sent == t, fresh_bound, bound)
-        for g, y, m in zip(grads, ys, ms):  # local AdamS
+        for g, y, m, e in zip(grads, ys, ms, cut):  # local AdamS
             y[:decay_end] *= 1 - scale * lr * wd
-            if frozen:
-                y -= scale * lr * ((b1 * m + (1 - b1) * g) / denom).clamp(-step_bound, step_bound)
-                continue
-            if shared:
-                m.mul_(b1).add_((1 - b1) * g)
-                y -= scale * lr * ((m / c) / denom).clamp(-step_bound, step_bound)
+            if frozen or shared:
+                if not frozen:
+                    m.mul_(b1).add_((1 - b1) * g)
+                u = (b1 * m + (1 - b1) * g) / denom if frozen else (m / c) / denom
+                y -= scale * lr * u.clamp(-step_bound, step_bound)
+                if send_cut:
+                    e -= scale * lr * (u - u.clamp(-step_bound, step_bound))
                 continue
             local_denom = (b2 * (m / c) ** 2 + (1 - b2) * g ** 2).sqrt() + eps
             m.mul_(b1).add_((1 - b1) * g)
@@ -215,21 +220,23 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
                 window = order[[(position + j) % size for j in range(k)]]
                 position = (position + k) % size
                 mask = torch.cat([window + r * size for r in range(world)]).sort().values
-                history.append((x.clone(), [y.clone() for y in ys], x + (sum(ys) / copies - x + pending) / scale))
+                history.append((x.clone(), [y.clone() for y in ys],
+                                x + (sum(ys) / copies - x + sum(cut) / copies + pending) / scale))
                 continue
             scores = []
             for r in range(world):
                 if cfg.mask_rule == "random":
                     scores.append(torch.rand(size, generator=torch.Generator().manual_seed(1_000_003 * (t + 1) + r)))
                     continue
-                score = sums[r // group] if summed else ys[r // group] - x + pending
+                score = sums[r // group] if summed else ys[r // group] - x + cut[r // group] + pending
                 if cfg.mask_rule == "deviation":
                     score = score - rate * (t + 1 - last)
                 scores.append(score[r * size:(r + 1) * size].abs())
             mask = torch.cat([torch.topk(score, k).indices + r * size
                               for r, score in enumerate(scores)]).sort().values
         # the model to evaluate: the copies' mean, plus what the owners still owe it
-        history.append((x.clone(), [y.clone() for y in ys], x + (sum(ys) / copies - x + pending) / scale))
+        history.append((x.clone(), [y.clone() for y in ys],
+                        x + (sum(ys) / copies - x + sum(cut) / copies + pending) / scale))
     return history
 
 
@@ -246,6 +253,12 @@ REFERENCE_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.8, dense_warmup_steps=3
                      # a looser bound where D was exchanged at the step (all of it while dense)
                      dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", step_bound=0.5,
                           fresh_step_bound=2.0, dense_warmup_steps=2),
+                     # what the bound cuts goes with the drift (the top-k score counts it)
+                     dict(sparsity=0.8, normalizer="shared", step_bound=0.5, clamp_excess="send",
+                          dense_warmup_steps=2),
+                     dict(sparsity=0.6, mask_rule="cyclic", normalizer="shared", density_lr_power=0.5,
+                          min_sparsity=0.75, value_bits=2, quantized_collective="compressed_all_reduce",
+                          requantization_error="owner", local_step_scale=0.5, step_bound=0.5, clamp_excess="send"),
                      dict(sparsity=0.8, mask_rule="cyclic", exchange="momentum", sparsity_warmup_steps=4),
                      dict(sparsity=0.9, exchange="momentum", dense_warmup_steps=3),
                      dict(sparsity=0.8, mask_rule="cyclic", normalizer="oracle", sparsity_warmup_steps=4),
@@ -568,7 +581,10 @@ RESUME_CONFIGS = [(dict(sparsity=0.9), 4),
                   # ... with the copies taking half their local step
                   (dict(sparsity=0.7, mask_rule="cyclic", normalizer="shared", density_lr_power=0.5,
                         min_sparsity=0.72, value_bits=2, value_dtype="bf16", local_step_scale=0.5,
-                        quantized_collective="compressed_all_reduce", requantization_error="owner"), 4)]
+                        quantized_collective="compressed_all_reduce", requantization_error="owner"), 4),
+                  # what the bound cut and is not yet sent
+                  (dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", step_bound=0.5,
+                        clamp_excess="send", value_dtype="bf16"), 3)]
 
 
 def _resume(rank: int, world: int) -> None:
@@ -643,6 +659,32 @@ def _pending_error_keeps_the_average(rank: int, world: int) -> None:
 
 def test_a_pending_requantization_error_is_in_the_average_on_resume_and_resharding():
     run_distributed(_pending_error_keeps_the_average, world_size=2)
+
+
+def _unsent_cut_keeps_the_average(rank: int, world: int) -> None:
+    cut = dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", step_bound=0.5, clamp_excess="send")
+    model = make_model()
+    sync = SparseAverageSynchronizer(model, avg_config(**cut))
+    train(model, sync, 5, rank)
+    assert sync.clamp_excess.abs().sum() > 0  # the bound cut, and not all of it was sent yet
+    average = sync.averaged_weights()
+    saved = roundtrip({"model": sync.model_state_dict(), "replicated": sync.state_dict(),
+                       "local": sync.local_state_dict()})
+    locals_ = [None] * world
+    dist.all_gather_object(locals_, saved["local"])
+    fresh = SparseAverageSynchronizer(make_model(seed=9), avg_config(**cut))
+    fresh.load_model_state_dict(saved["model"])
+    fresh.load_resharded_state(saved["replicated"], _ShardsInMemory(locals_))
+    torch.testing.assert_close(fresh.averaged_weights(), average, rtol=0, atol=1e-6)
+    dropped = SparseAverageSynchronizer(make_model(seed=9), avg_config(**{**cut, "clamp_excess": "drop"}))
+    dropped.load_model_state_dict(saved["model"])
+    dropped.load_state_dict(saved["replicated"])
+    with pytest.raises(ValueError, match="written with optimizer.clamp_excess=send; resume with"):
+        dropped.load_local_state_dict(saved["local"])
+
+
+def test_what_the_bound_cut_is_in_the_average_on_resharding():
+    run_distributed(_unsent_cut_keeps_the_average, world_size=2)
 
 
 def _resharded_mask_follows_the_lr(rank: int, world: int) -> None:
@@ -830,6 +872,10 @@ def test_settings_are_checked_and_the_builders_dispatch():
         SparseAverageSynchronizer(make_model(), avg_config(fresh_step_bound=2))
     with pytest.raises(ValueError, match=r"fresh_step_bound=nan must be a number >= 0"):
         SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared", fresh_step_bound=float("nan")))
+    with pytest.raises(ValueError, match="optimizer.clamp_excess='keep' is not supported; allowed values: drop, send"):
+        SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared", clamp_excess="keep"))
+    with pytest.raises(ValueError, match="clamp_excess=send sends what the step bound cuts"):
+        SparseAverageSynchronizer(make_model(), avg_config(clamp_excess="send"))
     with pytest.raises(ValueError, match="optimizer.fresh_step_bound=2 "):  # SCAPE has no shared denominator
         scape.build_synchronizer(make_model(), avg_config(name="scape", fresh_step_bound=2))
     with pytest.raises(ValueError, match="optimizer.exchange='gradient'"):
