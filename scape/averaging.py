@@ -226,6 +226,8 @@ class _SharedNormalizer:
         self.bound = bound or default_step_bound(beta, copies)
         # fresh_step_bound: the bound where D was refreshed at this step's exchange
         self.fresh_bound = fresh_bound or self.bound
+        # embedding_step_bound: the bound per coordinate, where a part of the model has its own
+        self.bounds: Optional[torch.Tensor] = None
         self.second = torch.zeros_like(like)  # the average of q^2, not bias-corrected
         self.lr_sum = torch.zeros_like(like)  # learning rates summed since the last exchange
         self.last = torch.zeros(like.numel(), dtype=torch.int32, device=like.device)
@@ -290,7 +292,8 @@ class _SharedNormalizer:
         (docs/RESULTS.md), whose local steps are then sign steps. Logged as
         ``scape/clamped_fraction``. Where D was refreshed at this step's exchange (every coordinate
         at density 1) the bound is ``optimizer.fresh_step_bound`` if set: there D holds the mean
-        momentum of the step before, so a step over it is not taken over an old scale.
+        momentum of the step before, so a step over it is not taken over an old scale. The
+        embedding tables' coordinates have ``optimizer.embedding_step_bound`` if set.
 
         ``excess`` (clamp_excess=send): what the bound cuts, -s lr (u - clamp(u)), is added to it,
         to be sent with the drift at the coordinate's next exchange.
@@ -303,9 +306,9 @@ class _SharedNormalizer:
         else:
             momentum.mul_(beta1).add_(grad, alpha=1.0 - beta1)
             update = torch.div(momentum, self.denominator).mul_(1.0 / bias_correction)
-        bound: Any = self.bound
+        bound: Any = self.bound if self.bounds is None else self.bounds
         if self.fresh_bound != self.bound:
-            bound = torch.where(self.last == step, self.fresh_bound, self.bound)
+            bound = torch.where(self.last == step, self.fresh_bound, bound)
         self.clamped = (update.abs() > bound).sum()  # a device tensor: read at log steps only
         if excess is not None:
             clamped = update.clamp(-bound, bound)
@@ -409,6 +412,8 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             1.0 / (1.0 - float(cfg.betas[0])) if self.revealed else None, float(cfg.step_bound), self.copies,
             float(cfg.fresh_step_bound),
         ) if cfg.normalizer in ("shared", "revealed", "oracle") or momentum_exchange else None
+        if cfg.embedding_step_bound and self.normalizer is not None:
+            self.normalizer.bounds = self._embedding_bounds(model, float(cfg.embedding_step_bound))
         # exchange=momentum: A_i, this rank's lr-weighted sum of its bias-corrected momentum
         # since each coordinate's last exchange (what the ranks average instead of the drift)
         self.accumulated = torch.zeros_like(self.consensus) if momentum_exchange else None
@@ -420,6 +425,19 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self._local_norm: Optional[torch.Tensor] = None
         self._global_sq: Optional[torch.Tensor] = None  # sum over ranks of ||g_i||^2
         self._sent = 0  # coordinates averaged this step
+
+    def _embedding_bounds(self, model: torch.nn.Module, embedding_bound: float) -> torch.Tensor:
+        """The step bound per flat coordinate: ``embedding_bound`` on the weights of the model's
+        ``torch.nn.Embedding`` tables (a tied output head shares them), the bound elsewhere."""
+        tables = {id(module.weight) for module in model.modules() if isinstance(module, torch.nn.Embedding)}
+        if not tables:
+            raise ValueError(f"optimizer.embedding_step_bound={embedding_bound:g} bounds the steps on the "
+                             f"embedding tables, but the model has no torch.nn.Embedding: leave it 0")
+        bounds = torch.full_like(self.consensus, self.normalizer.bound)
+        for param, offset in zip(self.flat.params, self.flat.offsets):
+            if id(param) in tables:
+                bounds[offset:offset + param.numel()] = embedding_bound
+        return bounds
 
     # --- the loop's calls ----------------------------------------------------------------------
     def zero_grad(self) -> None:

@@ -88,6 +88,10 @@ class OptimizerConfig(DenseOptimizerConfig):
     # the bound where a coordinate's D was refreshed at this step's exchange (its age is 0; every
     # coordinate at density 1); 0 = step_bound. Between exchanges D ages, and the bound is for that
     fresh_step_bound: float = 0.0
+    # the bound on the coordinates of the model's embedding tables (torch.nn.Embedding weights);
+    # 0 = step_bound. A token only one copy's batch holds has its whole gradient on that copy, so
+    # its row's local steps are the ones the bound clamps most (docs/RESULTS.md, "Where the bound binds")
+    embedding_step_bound: float = 0.0
     # what the bound cuts off a local step: drop (lost, the rule so far) or send (kept beside the
     # copy and added to its drift at the coordinate's next exchange: the copy stays within the
     # bound while the consensus moves by the mean of the unbounded steps; one more flat buffer)

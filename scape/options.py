@@ -47,7 +47,8 @@ def as_dataclass(cfg) -> OptimizerConfig:
 
 # keys that only optimizer=sparse_avg reads (scape/averaging.py has the list the other way round)
 SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule", "normalizer", "exchange", "step_bound",
-                        "fresh_step_bound", "clamp_excess", "average_momentum", "local_momentum", "density_lr_power", "min_sparsity",
+                        "fresh_step_bound", "embedding_step_bound", "clamp_excess", "average_momentum",
+                        "local_momentum", "density_lr_power", "min_sparsity",
                         "ranks_per_copy", "value_bits", "quantized_collective", "requantization_error",
                         "local_step_scale", "local_step_scale_power", "grad_clip_scope")
 LOCAL_MOMENTA = ("own", "consensus")
@@ -114,6 +115,10 @@ def validate_config(cfg: OptimizerConfig) -> None:
     if not (isinstance(fresh, (int, float)) and math.isfinite(fresh) and fresh >= 0):
         raise ValueError(f"optimizer.fresh_step_bound={fresh!r} must be a number >= 0 "
                          f"(0 = optimizer.step_bound on every coordinate)")
+    embedding = cfg.embedding_step_bound
+    if not (isinstance(embedding, (int, float)) and math.isfinite(embedding) and embedding >= 0):
+        raise ValueError(f"optimizer.embedding_step_bound={embedding!r} must be a number >= 0 "
+                         f"(0 = optimizer.step_bound on the embedding tables too)")
     _choice("average_momentum", cfg.average_momentum, (True, False))
     if cfg.average_momentum and cfg.exchange == "momentum":
         raise ValueError("optimizer.average_momentum=true snaps the momenta where the drifts are averaged; "
@@ -163,6 +168,10 @@ def validate_config(cfg: OptimizerConfig) -> None:
     if fresh and cfg.normalizer == "local":
         raise ValueError(f"optimizer.fresh_step_bound={fresh} bounds the steps over a freshly exchanged shared "
                          f"denominator; it needs optimizer.normalizer=shared, revealed or oracle")
+    if embedding and (cfg.normalizer == "local" or cfg.exchange != "drift"):
+        raise ValueError(f"optimizer.embedding_step_bound={embedding} bounds the local steps over a shared "
+                         f"denominator on the embedding tables; it needs optimizer.normalizer=shared, revealed "
+                         f"or oracle and optimizer.exchange=drift")
     if cfg.step_bound and cfg.normalizer == "local":
         raise ValueError(f"optimizer.step_bound={cfg.step_bound} bounds the steps over a shared denominator; "
                          f"it needs optimizer.normalizer=shared, revealed or oracle")
