@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import traceback
 from typing import Any, Callable, Tuple
 
@@ -46,6 +47,12 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: Tuple[Any, ...
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # a rank that passed leaves without the interpreter's finalization: gloo's worker threads can
+    # still hold work objects whose tensors need the GIL there, and abort the process (a SIGABRT
+    # with no traceback, seen in CI; pytorch/pytorch#179291)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn: Callable, world_size: int = 2, args: Tuple[Any, ...] = ()) -> None:
