@@ -47,7 +47,7 @@ def as_dataclass(cfg) -> OptimizerConfig:
 
 # keys that only optimizer=sparse_avg reads (scape/averaging.py has the list the other way round)
 SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule", "normalizer", "exchange", "step_bound",
-                        "fresh_step_bound", "embedding_step_bound", "clamp_excess", "average_momentum",
+                        "fresh_step_bound", "embedding_step_bound", "own_denominator_floor", "clamp_excess", "average_momentum",
                         "local_momentum", "density_lr_power", "min_sparsity",
                         "ranks_per_copy", "value_bits", "quantized_collective", "requantization_error",
                         "local_step_scale", "local_step_scale_power", "grad_clip_scope")
@@ -120,6 +120,12 @@ def validate_config(cfg: OptimizerConfig) -> None:
         raise ValueError(f"optimizer.embedding_step_bound={embedding!r} must be a number >= 0 "
                          f"(0 = optimizer.step_bound on the embedding tables too)")
     _choice("average_momentum", cfg.average_momentum, (True, False))
+    _choice("own_denominator_floor", cfg.own_denominator_floor, (True, False))
+    if cfg.own_denominator_floor and (cfg.normalizer == "local" or cfg.exchange != "drift"
+                                      or cfg.local_momentum != "own"):
+        raise ValueError("optimizer.own_denominator_floor=true floors the shared denominator of a copy's own "
+                         "momentum step; it needs optimizer.normalizer=shared, revealed or oracle, "
+                         "exchange=drift and local_momentum=own")
     if cfg.average_momentum and cfg.exchange == "momentum":
         raise ValueError("optimizer.average_momentum=true snaps the momenta where the drifts are averaged; "
                          "optimizer.exchange=momentum averages momentum sums instead: use exchange=drift")
