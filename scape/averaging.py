@@ -219,7 +219,7 @@ class _SharedNormalizer:
 
     def __init__(self, like: torch.Tensor, beta: float, eps: float, max_covered: Optional[float] = None,
                  bound: float = 0.0, copies: int = 1, fresh_bound: float = 0.0,
-                 own_floor: bool = False) -> None:
+                 own_floor: float = 0.0) -> None:
         self.beta, self.eps = beta, eps
         # normalizer=revealed: one revealed momentum is one sample, worth at most the momentum's
         # correlation time 1 / (1 - b1) of steps however long the interval was
@@ -229,7 +229,7 @@ class _SharedNormalizer:
         self.fresh_bound = fresh_bound or self.bound
         # embedding_step_bound: the bound per coordinate, where a part of the model has its own
         self.bounds: Optional[torch.Tensor] = None
-        # own_denominator_floor: D floored at the copy's own AdamS denominator / copies
+        # own_denominator_floor f: D floored at the copy's own AdamS denominator / (f copies); 0 = none
         self.own_floor, self.copies = own_floor, copies
         self.second = torch.zeros_like(like)  # the average of q^2, not bias-corrected
         self.lr_sum = torch.zeros_like(like)  # learning rates summed since the last exchange
@@ -298,9 +298,10 @@ class _SharedNormalizer:
         momentum of the step before, so a step over it is not taken over an old scale. The
         embedding tables' coordinates have ``optimizer.embedding_step_bound`` if set.
 
-        ``own_floor`` (own_denominator_floor): D is floored at this copy's own AdamS denominator
-        sqrt(b2 (m / bc)^2 + (1 - b2) g^2) / C. Where the copy holds a coordinate's gradient alone
-        its step is then C times its own AdamS step, so the mean over the copies is that step.
+        ``own_floor`` f (own_denominator_floor): D is floored at this copy's own AdamS denominator
+        sqrt(b2 (m / bc)^2 + (1 - b2) g^2) / (f C). Where the copy holds a coordinate's gradient
+        alone its step is then at most f C times its own AdamS step, so the mean over the copies is
+        at most f times that step (f = 1: what dense AdamS takes on that mean gradient).
 
         ``excess`` (clamp_excess=send): what the bound cuts, -s lr (u - clamp(u)), is added to it,
         to be sent with the drift at the coordinate's next exchange.
@@ -314,7 +315,7 @@ class _SharedNormalizer:
             denominator = self.denominator
             if self.own_floor:  # AdamS's denominator of this copy's own step, over the copies
                 own = (momentum / bias_correction).square_().mul_(self.beta)
-                own.addcmul_(grad, grad, value=1.0 - self.beta).sqrt_().div_(self.copies)
+                own.addcmul_(grad, grad, value=1.0 - self.beta).sqrt_().div_(self.own_floor * self.copies)
                 denominator = torch.maximum(denominator, own)
             momentum.mul_(beta1).add_(grad, alpha=1.0 - beta1)
             update = torch.div(momentum, denominator).mul_(1.0 / bias_correction)
@@ -422,7 +423,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self.normalizer = _SharedNormalizer(
             self.consensus, float(cfg.betas[1]), float(cfg.eps),
             1.0 / (1.0 - float(cfg.betas[0])) if self.revealed else None, float(cfg.step_bound), self.copies,
-            float(cfg.fresh_step_bound), bool(cfg.own_denominator_floor),
+            float(cfg.fresh_step_bound), float(cfg.own_denominator_floor),
         ) if cfg.normalizer in ("shared", "revealed", "oracle") or momentum_exchange else None
         if cfg.embedding_step_bound and self.normalizer is not None:
             self.normalizer.bounds = self._embedding_bounds(model, float(cfg.embedding_step_bound))

@@ -92,11 +92,12 @@ class OptimizerConfig(DenseOptimizerConfig):
     # 0 = step_bound. A token only one copy's batch holds has its whole gradient on that copy, so
     # its row's local steps are the ones the bound clamps most (docs/RESULTS.md, "Where the bound binds")
     embedding_step_bound: float = 0.0
-    # true: a copy's local step divides by max(D, its own AdamS denominator / copies). Where one
-    # copy holds a coordinate's whole gradient (a token only its batch has) its step is then C
-    # times its own AdamS step, and the mean over the copies is that AdamS step, as dense AdamS
-    # takes on the mean gradient; where the copies share the gradient the floor is below D
-    own_denominator_floor: bool = False
+    # f > 0: a copy's local step divides by max(D, its own AdamS denominator / (f copies)). Where
+    # one copy holds a coordinate's whole gradient (a token only its batch has) its step is then
+    # at most f C times its own AdamS step, and the mean over the copies f times that AdamS step
+    # (f = 1: as dense AdamS takes on the mean gradient); where the copies share the gradient the
+    # floor is mostly below D. 0 = no floor
+    own_denominator_floor: float = 0.0
     # what the bound cuts off a local step: drop (lost, the rule so far) or send (kept beside the
     # copy and added to its drift at the coordinate's next exchange: the copy stays within the
     # bound while the consensus moves by the mean of the unbounded steps; one more flat buffer)

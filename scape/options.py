@@ -120,11 +120,14 @@ def validate_config(cfg: OptimizerConfig) -> None:
         raise ValueError(f"optimizer.embedding_step_bound={embedding!r} must be a number >= 0 "
                          f"(0 = optimizer.step_bound on the embedding tables too)")
     _choice("average_momentum", cfg.average_momentum, (True, False))
-    _choice("own_denominator_floor", cfg.own_denominator_floor, (True, False))
-    if cfg.own_denominator_floor and (cfg.normalizer == "local" or cfg.exchange != "drift"
+    floor = cfg.own_denominator_floor
+    if not (isinstance(floor, (int, float)) and not isinstance(floor, bool) and math.isfinite(floor) and floor >= 0):
+        raise ValueError(f"optimizer.own_denominator_floor={floor!r} must be a number >= 0 (0 = no floor; "
+                         f"f: D >= the copy's own AdamS denominator / (f copies))")
+    if floor and (cfg.normalizer == "local" or cfg.exchange != "drift"
                                       or cfg.local_momentum != "own"):
-        raise ValueError("optimizer.own_denominator_floor=true floors the shared denominator of a copy's own "
-                         "momentum step; it needs optimizer.normalizer=shared, revealed or oracle, "
+        raise ValueError(f"optimizer.own_denominator_floor={floor} floors the shared denominator of a copy's "
+                         "own momentum step; it needs optimizer.normalizer=shared, revealed or oracle, "
                          "exchange=drift and local_momentum=own")
     if cfg.average_momentum and cfg.exchange == "momentum":
         raise ValueError("optimizer.average_momentum=true snaps the momenta where the drifts are averaged; "

@@ -91,7 +91,7 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
     frozen = cfg.local_momentum == "consensus"  # one momentum M for all ranks, re-estimated at exchanges
     bound = cfg.step_bound or (copies / (1 - b2)) ** 0.5  # AdamS's largest step on a copy's batch
     fresh_bound = cfg.fresh_step_bound or bound  # ... where D was exchanged at this step
-    own_floor = cfg.own_denominator_floor  # D floored at the copy's own AdamS denominator / C
+    own_floor = cfg.own_denominator_floor  # D floored at the copy's own AdamS denominator / (f C)
     sums = [torch.zeros_like(x) for _ in range(copies)]
     cut = [torch.zeros_like(x) for _ in range(copies)]  # clamp_excess=send: what the bound cut
     send_cut = cfg.clamp_excess == "send"
@@ -196,7 +196,7 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
         for g, y, m, e in zip(grads, ys, ms, cut):  # local AdamS
             y[:decay_end] *= 1 - scale * lr * wd
             if frozen or shared:
-                own = (b2 * (m / c) ** 2 + (1 - b2) * g ** 2).sqrt() / copies
+                own = (b2 * (m / c) ** 2 + (1 - b2) * g ** 2).sqrt() / (own_floor * copies or 1)
                 if not frozen:
                     m.mul_(b1).add_((1 - b1) * g)
                 u = (b1 * m + (1 - b1) * g) / denom if frozen else (m / c) / (torch.maximum(denom, own) if own_floor
@@ -257,7 +257,7 @@ REFERENCE_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.8, dense_warmup_steps=3
                      dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", step_bound=0.5,
                           fresh_step_bound=2.0, dense_warmup_steps=2),
                      # D floored at each copy's own AdamS denominator / copies
-                     dict(sparsity=0.8, normalizer="shared", own_denominator_floor=True, dense_warmup_steps=2),
+                     dict(sparsity=0.8, normalizer="shared", own_denominator_floor=0.5, dense_warmup_steps=2),
                      # what the bound cuts goes with the drift (the top-k score counts it)
                      dict(sparsity=0.8, normalizer="shared", step_bound=0.5, clamp_excess="send",
                           dense_warmup_steps=2),
@@ -916,8 +916,10 @@ def test_settings_are_checked_and_the_builders_dispatch():
         SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared", embedding_step_bound=-1))
     with pytest.raises(ValueError, match="the model has no torch.nn.Embedding: leave it 0"):
         SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared", embedding_step_bound=2))
-    with pytest.raises(ValueError, match="own_denominator_floor=true floors the shared denominator"):
-        SparseAverageSynchronizer(make_model(), avg_config(own_denominator_floor=True))
+    with pytest.raises(ValueError, match="own_denominator_floor=1 floors the shared denominator"):
+        SparseAverageSynchronizer(make_model(), avg_config(own_denominator_floor=1))
+    with pytest.raises(ValueError, match="own_denominator_floor=True must be a number >= 0"):
+        SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared", own_denominator_floor=True))
     with pytest.raises(ValueError, match="optimizer.clamp_excess='keep' is not supported; allowed values: drop, send"):
         SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared", clamp_excess="keep"))
     with pytest.raises(ValueError, match="clamp_excess=send sends what the step bound cuts"):

@@ -106,7 +106,7 @@ def test_composed_arms_follow_their_recipe_and_bad_names_are_refused(monkeypatch
     assert fresh["optimizer.fresh_step_bound"] == "1000" and "optimizer.step_bound" not in fresh
     table = dict(i.split("=", 1) for i in study.compose_arm("sma99m+emb8.94").overrides)
     assert table["optimizer.embedding_step_bound"] == "8.94" and "optimizer.step_bound" not in table
-    assert "optimizer.own_denominator_floor=true" in study.compose_arm("sma99m+ownfl").overrides
+    assert "optimizer.own_denominator_floor=2" in study.compose_arm("sma99m+ownfl2").overrides
     assert dict(i.split("=", 1) for i in study.compose_arm("sma99m+xsend").overrides)["optimizer.clamp_excess"] == "send"
     clip = dict(i.split("=", 1) for i in study.compose_arm("sma99m+gc0.5+clipsh").overrides)
     assert (clip["optimizer.grad_clip"], clip["optimizer.grad_clip_scope"]) == ("0.5", "shared")
