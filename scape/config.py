@@ -90,7 +90,8 @@ class OptimizerConfig(DenseOptimizerConfig):
     fresh_step_bound: float = 0.0
     # the bound on the coordinates of the model's embedding tables (torch.nn.Embedding weights);
     # 0 = step_bound. A token only one copy's batch holds has its whole gradient on that copy, so
-    # its row's local steps are the ones the bound clamps most (docs/RESULTS.md, "Where the bound binds")
+    # its row's local steps are the ones the bound clamps most (docs/RESULTS.md, "What the step
+    # bound protects, and where it binds")
     embedding_step_bound: float = 0.0
     # f > 0: a copy's local step divides by max(D, its own AdamS denominator / (f copies)). Where
     # one copy holds a coordinate's whole gradient (a token only its batch has) its step is then

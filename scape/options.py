@@ -124,8 +124,7 @@ def validate_config(cfg: OptimizerConfig) -> None:
     if not (isinstance(floor, (int, float)) and not isinstance(floor, bool) and math.isfinite(floor) and floor >= 0):
         raise ValueError(f"optimizer.own_denominator_floor={floor!r} must be a number >= 0 (0 = no floor; "
                          f"f: D >= the copy's own AdamS denominator / (f copies))")
-    if floor and (cfg.normalizer == "local" or cfg.exchange != "drift"
-                                      or cfg.local_momentum != "own"):
+    if floor and (cfg.normalizer == "local" or cfg.exchange != "drift" or cfg.local_momentum != "own"):
         raise ValueError(f"optimizer.own_denominator_floor={floor} floors the shared denominator of a copy's "
                          "own momentum step; it needs optimizer.normalizer=shared, revealed or oracle, "
                          "exchange=drift and local_momentum=own")

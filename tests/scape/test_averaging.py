@@ -196,11 +196,12 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
         for g, y, m, e in zip(grads, ys, ms, cut):  # local AdamS
             y[:decay_end] *= 1 - scale * lr * wd
             if frozen or shared:
-                own = (b2 * (m / c) ** 2 + (1 - b2) * g ** 2).sqrt() / (own_floor * copies or 1)
+                floor = ((b2 * (m / c) ** 2 + (1 - b2) * g ** 2).sqrt() / (own_floor * copies)
+                         if own_floor else None)
                 if not frozen:
                     m.mul_(b1).add_((1 - b1) * g)
-                u = (b1 * m + (1 - b1) * g) / denom if frozen else (m / c) / (torch.maximum(denom, own) if own_floor
-                                                                               else denom)
+                u = (b1 * m + (1 - b1) * g) / denom if frozen else (m / c) / (denom if floor is None
+                                                                               else torch.maximum(denom, floor))
                 y -= scale * lr * u.clamp(-step_bound, step_bound)
                 if send_cut:
                     e -= scale * lr * (u - u.clamp(-step_bound, step_bound))
@@ -256,7 +257,7 @@ REFERENCE_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.8, dense_warmup_steps=3
                      # a looser bound where D was exchanged at the step (all of it while dense)
                      dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", step_bound=0.5,
                           fresh_step_bound=2.0, dense_warmup_steps=2),
-                     # D floored at each copy's own AdamS denominator / copies
+                     # D floored at each copy's own AdamS denominator / (0.5 copies)
                      dict(sparsity=0.8, normalizer="shared", own_denominator_floor=0.5, dense_warmup_steps=2),
                      # what the bound cuts goes with the drift (the top-k score counts it)
                      dict(sparsity=0.8, normalizer="shared", step_bound=0.5, clamp_excess="send",
