@@ -106,8 +106,8 @@ SCAPE_ONLY_KEYS = ("offload_residual", "lag", "overlap_backward", "update", "sta
 
 def validate_sparse_avg(cfg: OptimizerConfig) -> None:
     """SCAPE's checks of the shared keys, and no SCAPE-only key away from its default."""
-    validate_config(cfg)
     refuse_foreign_keys(cfg, SCAPE_ONLY_KEYS, "a SCAPE", NAME)
+    validate_config(cfg)
     scale = cfg.local_step_scale
     if scale not in (0, 1) and (cfg.normalizer == "local" or cfg.exchange != "drift"):
         raise ValueError(f"optimizer.local_step_scale={scale} scales the local steps over a shared denominator "

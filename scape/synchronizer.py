@@ -48,8 +48,9 @@ class ScapeSynchronizer(MaskedSynchronizer):
                  residual_chunk_numel: int = DEFAULT_CHUNK_NUMEL, comm: Optional[Collectives] = None,
                  overlap_bucket_numel: int = BUCKET_NUMEL) -> None:
         cfg = as_dataclass(cfg)
-        validate_config(cfg)
+        # a sparse_avg key is refused by name first: its own checks would ask for sparse_avg settings
         refuse_foreign_keys(cfg, SPARSE_AVG_ONLY_KEYS, "a sparse_avg", "scape")
+        validate_config(cfg)
         self.cfg = cfg
         self.beta1, self.beta2 = float(cfg.betas[0]), float(cfg.betas[1])
         decay_numel = self._flatten(model, "SCAPE", num_partitions, comm)

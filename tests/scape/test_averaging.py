@@ -925,8 +925,9 @@ def test_settings_are_checked_and_the_builders_dispatch():
         SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared", clamp_excess="keep"))
     with pytest.raises(ValueError, match="clamp_excess=send sends what the step bound cuts"):
         SparseAverageSynchronizer(make_model(), avg_config(clamp_excess="send"))
-    with pytest.raises(ValueError, match="optimizer.fresh_step_bound=2 "):  # SCAPE has no shared denominator
-        scape.build_synchronizer(make_model(), avg_config(name="scape", fresh_step_bound=2))
+    for key in ("step_bound", "fresh_step_bound", "embedding_step_bound", "own_denominator_floor"):
+        with pytest.raises(ValueError, match=f"optimizer.{key}=2 is a sparse_avg option; optimizer=scape does not"):
+            scape.build_synchronizer(make_model(), avg_config(name="scape", **{key: 2}))
     with pytest.raises(ValueError, match="optimizer.exchange='gradient'"):
         SparseAverageSynchronizer(make_model(), avg_config(exchange="gradient"))
     with pytest.raises(ValueError, match="exchange=momentum .* needs optimizer.normalizer=local"):
@@ -940,7 +941,7 @@ def test_settings_are_checked_and_the_builders_dispatch():
     for bad in (dict(), dict(normalizer="revealed"), dict(normalizer="shared", average_momentum=True)):
         with pytest.raises(ValueError, match="local_momentum=consensus .* needs optimizer.normalizer=shared"):
             SparseAverageSynchronizer(make_model(), avg_config(local_momentum="consensus", **bad))
-    with pytest.raises(ValueError, match="optimizer.local_momentum=consensus"):  # SCAPE has no copies
+    with pytest.raises(ValueError, match="optimizer.local_momentum='consensus' is a sparse_avg option"):
         scape.build_synchronizer(make_model(), avg_config(name="scape", local_momentum="consensus"))
     with pytest.raises(ValueError, match="optimizer.density_lr_power='lr' must be a number"):
         SparseAverageSynchronizer(make_model(), avg_config(density_lr_power="lr"))
