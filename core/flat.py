@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Sequence, TypeVar
+from typing import Any, Callable, Dict, List, Sequence, Set, TypeVar
 
 import torch
 
@@ -51,9 +51,26 @@ def flat_order(items: Sequence[Item], param: Callable[[Item], torch.Tensor] = la
     return [x for x in items if decays(param(x))] + [x for x in items if not decays(param(x))]
 
 
-def param_groups(params: List[torch.nn.Parameter], weight_decay: float) -> List[Dict[str, Any]]:
-    """The decayed parameters (``decays``) in one group, the rest without weight decay."""
-    decay = [p for p in params if decays(p)]
-    no_decay = [p for p in params if not decays(p)]
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+def embedding_weight_ids(model: torch.nn.Module) -> Set[int]:
+    """The ids of the weights of the model's ``torch.nn.Embedding`` tables (a tied output head
+    shares them): the parameters a per-table option (an lr scale, a step bound) applies to."""
+    return {id(module.weight) for module in model.modules() if isinstance(module, torch.nn.Embedding)}
+
+
+def param_groups(params: List[torch.nn.Parameter], weight_decay: float,
+                 scaled: Set[int] = frozenset(), lr_scale: float = 1.0) -> List[Dict[str, Any]]:
+    """The decayed parameters (``decays``) in one group, the rest without weight decay. With
+    ``lr_scale`` != 1 the matrices whose ids are in ``scaled`` (embedding tables) form a third,
+    decayed group whose ``lr_scale`` the synchroniser multiplies the learning rate by."""
+    if lr_scale == 1.0:
+        scaled = frozenset()
+    decay = [p for p in params if decays(p) and id(p) not in scaled]
+    no_decay = [p for p in params if not decays(p) and id(p) not in scaled]
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    tables = [p for p in params if id(p) in scaled]
+    if any(not decays(p) for p in tables):
+        raise ValueError("param_groups: an lr-scaled parameter is not a matrix; only embedding tables are scaled")
+    if tables:
+        groups.append({"params": tables, "weight_decay": weight_decay, "lr_scale": lr_scale})
+    return groups

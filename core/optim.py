@@ -6,8 +6,9 @@ update |m_t / c| / denom is bounded, which is what lets SCAPE feed it sparse, st
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 
@@ -34,6 +35,9 @@ class DenseOptimizerConfig:
     # adamw/adams, core/zero.py; sharded SCAPE, scape/sharded.py)
     shard: bool = False
     grad_sync: str = "ddp"  # core.sync.GradSync, the dense arms: ddp (overlapped) | after_backward
+    # the learning rate on the embedding tables (torch.nn.Embedding weights, a tied head with
+    # them) is lr times this; adamw and adams without shard
+    embedding_lr_scale: float = 1.0
 
 
 # A fused element-wise AdamS over one contiguous 1-D buffer (scape.kernels.adams_dense_update's
@@ -42,19 +46,36 @@ AdamSKernel = Callable[..., None]
 
 
 def build_optimizer(params: List[torch.nn.Parameter], cfg: Any,
-                    adams_kernel: Optional[AdamSKernel] = None) -> torch.optim.Optimizer:
+                    adams_kernel: Optional[AdamSKernel] = None,
+                    embeddings: Set[int] = frozenset()) -> torch.optim.Optimizer:
     """A dense optimizer over ``params``: AdamW (torch's) or AdamS, weight decay on matrices only.
 
     ``cfg`` is anything with the fields of ``DenseOptimizerConfig``. On CUDA AdamW is torch's fused
     one (one kernel for all tensors; it also skips a non-finite step on the device) and AdamS runs
-    ``adams_kernel`` (the layer above passes SCAPE's Triton kernel) once per tensor."""
-    return optimizer_for_groups(param_groups(params, cfg.weight_decay), cfg, adams_kernel)
+    ``adams_kernel`` (the layer above passes SCAPE's Triton kernel) once per tensor. ``embeddings``
+    (``core.flat.embedding_weight_ids``) are the tables ``cfg.embedding_lr_scale`` applies to."""
+    groups = param_groups(params, cfg.weight_decay, embeddings, embedding_lr_scale(cfg))
+    return optimizer_for_groups(groups, cfg, adams_kernel)
+
+
+def embedding_lr_scale(cfg: Any) -> float:
+    """``optimizer.embedding_lr_scale``, checked: a finite number > 0 (1 = the lr everywhere)."""
+    scale = getattr(cfg, "embedding_lr_scale", 1.0)
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"optimizer.embedding_lr_scale={scale!r} must be a number > 0 "
+                         f"(1 = the embedding tables train at optimizer.lr)")
+    return float(scale)
 
 
 def optimizer_for_groups(groups: List[Dict[str, Any]], cfg: Any,
                          adams_kernel: Optional[AdamSKernel] = None) -> torch.optim.Optimizer:
     """``build_optimizer`` on param groups that carry their own weight decay (ZeRO-1's shard
     pieces are flat, so the ndim rule cannot be read off them)."""
+    scale = embedding_lr_scale(cfg)
+    if scale != 1.0 and not any("lr_scale" in group for group in groups):
+        raise ValueError(f"optimizer.embedding_lr_scale={scale:g}: this optimizer was built without the "
+                         f"model's embedding tables (optimizer.shard=true and sdp.kind != none do not "
+                         f"support the option); leave it 1")
     betas = (float(cfg.betas[0]), float(cfg.betas[1]))
     cuda = any(p.is_cuda for group in groups for p in group["params"])
     if cfg.name == "adamw":

@@ -90,7 +90,7 @@ class GradientSynchronizer:
 
     def step(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)  # lr_scale: core.flat.param_groups
         self.optimizer.step()
 
     def after_step(self) -> None:
@@ -139,7 +139,17 @@ class GradientSynchronizer:
         if "sharded_over" in state["optimizer"]:  # core/zero.py wrote it
             raise ValueError("this checkpoint was written with optimizer.shard=true (each rank's file "
                              "holds its optimizer shard): resume with optimizer.shard=true")
+        saved, groups = len(state["optimizer"]["param_groups"]), self.optimizer.param_groups
+        if saved != len(groups):
+            raise ValueError(f"this checkpoint's optimizer has {saved} parameter groups, this run's {len(groups)}: "
+                             f"optimizer.embedding_lr_scale != 1 puts the embedding tables in a group of their "
+                             f"own; resume with it != 1 exactly when the checkpoint was written so")
+        scales = [group.get("lr_scale") for group in groups]
         self.optimizer.load_state_dict(state["optimizer"])
+        # the run's config decides the scale, as it does the lr (torch made new groups from the saved ones)
+        for group, scale in zip(self.optimizer.param_groups, scales):
+            if scale is not None:
+                group["lr_scale"] = scale
 
     def local_state_dict(self) -> Dict[str, Any]:
         return {}

@@ -91,6 +91,7 @@ import torch
 
 from core.checkpoint import repad
 from core.comm import Collectives, all_gather_bytes, all_reduce_bytes, all_to_all_bytes, new_groups
+from core.flat import embedding_weight_ids
 from scape import kernels
 from scape.accounting import VALUE_BYTES, scape_step_bytes
 from scape.config import OptimizerConfig
@@ -107,6 +108,7 @@ SCAPE_ONLY_KEYS = ("offload_residual", "lag", "overlap_backward", "update", "sta
 def validate_sparse_avg(cfg: OptimizerConfig) -> None:
     """SCAPE's checks of the shared keys, and no SCAPE-only key away from its default."""
     refuse_foreign_keys(cfg, SCAPE_ONLY_KEYS, "a SCAPE", NAME)
+    refuse_foreign_keys(cfg, ("embedding_lr_scale",), "a dense optimizers'", NAME)
     validate_config(cfg)
     scale = cfg.local_step_scale
     if scale not in (0, 1) and (cfg.normalizer == "local" or cfg.exchange != "drift"):
@@ -442,7 +444,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
     def _embedding_bounds(self, model: torch.nn.Module, embedding_bound: float) -> torch.Tensor:
         """The step bound per flat coordinate: ``embedding_bound`` on the weights of the model's
         ``torch.nn.Embedding`` tables (a tied output head shares them), the bound elsewhere."""
-        tables = {id(module.weight) for module in model.modules() if isinstance(module, torch.nn.Embedding)}
+        tables = embedding_weight_ids(model)
         if not tables:
             raise ValueError(f"optimizer.embedding_step_bound={embedding_bound:g} bounds the steps on the "
                              f"embedding tables, but the model has no torch.nn.Embedding: leave it 0")

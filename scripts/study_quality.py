@@ -182,6 +182,8 @@ _PARTS = {
     "bound": (("optimizer.step_bound={n}",), "local steps bounded at {n}"),  # sparse_avg, shared D only
     "fresh": (("optimizer.fresh_step_bound={n}",), "local steps over a D exchanged that step bounded at {n}"),
     "emb": (("optimizer.embedding_step_bound={n}",), "local steps on the embedding table bounded at {n}"),
+    # adams / adamw / sparse_avg: the lr on the embedding tables times {n}
+    "elr": (("optimizer.embedding_lr_scale={n}",), "lr x {n} on the embedding table"),
     "ownfl": (("optimizer.own_denominator_floor={n}",), "D floored at the copy's AdamS denominator / ({n} copies)"),
     "xsend": (("optimizer.clamp_excess=send",), "what the bound cuts sent with the drift"),
     # sparse_avg, a decomposition tool: D from every coordinate's mean momentum every step (dense bytes)
@@ -229,7 +231,7 @@ def compose_arm(name: str) -> Optional[Arm]:
     lrsumN (catch-up capped at N; 0 = 1 / density), warmN, clip, noclip, gcN (clipped at N), lrX, and for sparse
     averaging omX / olrX (outer Nesterov momentum / outer lr), dev / rand / cyc / topk (mask rule), shnorm / rvnorm / lnorm (one shared
     denominator from the drift / from momenta sent beside it / each rank's own), ornorm (D from every
-    coordinate's mean momentum each step: a decomposition tool), avgm (momenta averaged with the drifts), cmom (the local steps share one consensus momentum), momX (b1 = X, b2 the default 0.95), wdX (weight decay X), exmom (the consensus steps on the averaged momentum sums), invlrN (the density rises as the lr falls, sparsity at least N), withlr (it falls with the lr), lrpowX (it follows (lr / peak lr)^X), minspN (min_sparsity N: with withlr a cap on the density at the peak lr), rpcN (N ranks train one copy), clipsh (one clip factor for all copies), freshN (the local steps over a D exchanged that step bounded at N), embN (the local steps on the embedding table bounded at N), ownflX (D floored at the copy's own AdamS denominator / (X copies)), xsend (what the bound cuts off a local step is sent with the drift), lssX (the copies take X of their local step), lspX (they take min(1, (4 / copies)^X) of it), qN (N-bit drifts with error feedback), car / ag (their compressed all-reduce / all-gather), own (the owners keep the re-quantization error); spX sets the sparsity, bfloat the
+    coordinate's mean momentum each step: a decomposition tool), avgm (momenta averaged with the drifts), cmom (the local steps share one consensus momentum), momX (b1 = X, b2 the default 0.95), wdX (weight decay X), exmom (the consensus steps on the averaged momentum sums), invlrN (the density rises as the lr falls, sparsity at least N), withlr (it falls with the lr), lrpowX (it follows (lr / peak lr)^X), minspN (min_sparsity N: with withlr a cap on the density at the peak lr), rpcN (N ranks train one copy), clipsh (one clip factor for all copies), freshN (the local steps over a D exchanged that step bounded at N), embN (the local steps on the embedding table bounded at N), elrX (the lr on the embedding table times X), ownflX (D floored at the copy's own AdamS denominator / (X copies)), xsend (what the bound cuts off a local step is sent with the drift), lssX (the copies take X of their local step), lspX (they take min(1, (4 / copies)^X) of it), qN (N-bit drifts with error feedback), car / ag (their compressed all-reduce / all-gather), own (the owners keep the re-quantization error); spX sets the sparsity, bfloat the
     value dtype. None if the name is
     not of that form."""
     base, *parts = name.split("+")

@@ -1,14 +1,16 @@
-"""The dense synchroniser: DDP (overlapped with backward) equals the after-backward all-reduce."""
+"""The dense synchroniser: DDP (overlapped with backward) equals the after-backward all-reduce;
+the embedding tables' own lr."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from core.flat import param_groups
-from core.optim import AdamS
+from core.flat import embedding_weight_ids, param_groups
+from core.optim import AdamS, DenseOptimizerConfig, build_optimizer
 from core.sync import DenseAllReduce
+from core.zero import ZeroDenseSynchronizer
 from tests.dist_helpers import run_distributed
-from tests.scape.helpers import batch, make_model
+from tests.scape.helpers import TokenModel, batch, make_model
 
 STEPS, ACCUM = 4, 3
 
@@ -101,3 +103,61 @@ def _body_device_skip(rank: int, world: int) -> None:
 
 def test_fused_adamw_skips_a_nonfinite_step_on_the_device():
     run_distributed(_body_device_skip, world_size=2)
+
+
+def _token_batch(step: int):
+    ids = torch.randint(0, 16, (4, 3), generator=torch.Generator().manual_seed(step))
+    return ids, ids[:, 0] % 3
+
+
+@pytest.mark.parametrize("name", ["adamw", "adams"])
+def test_the_embedding_tables_train_at_their_scaled_lr(name):
+    """embedding_lr_scale k: along the schedule the table steps at k lr and the rest at lr, what
+    the optimizer does with its lr set per group by hand."""
+    from trainer.step import train_step
+
+    k = 3.0
+    cfg = DenseOptimizerConfig(name=name, lr=1e-2, weight_decay=0.1, embedding_lr_scale=k)
+    model, ref = TokenModel(), TokenModel()
+    sync = DenseAllReduce(model, lambda ps: build_optimizer(ps, cfg, embeddings=embedding_weight_ids(model)))
+    assert [group.get("lr_scale") for group in sync.optimizer.param_groups] == [None, None, k]
+    groups = [{"params": [ref.head.weight], "weight_decay": 0.1}, {"params": [ref.head.bias], "weight_decay": 0.0},
+              {"params": [ref.tokens.weight], "weight_decay": 0.1}]
+    opt = (torch.optim.AdamW if name == "adamw" else AdamS)(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    for step, lr in enumerate([1e-2, 5e-3, 2e-3], 1):
+        train_step(sync.train_module, sync, iter([_token_batch(step)]), 1, lr, 0.0, sync.comm)
+        opt.zero_grad()
+        ref(*_token_batch(step)).backward()
+        for group, scale in zip(opt.param_groups, (1.0, 1.0, k)):
+            group["lr"] = lr * scale
+        opt.step()
+    for (key, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=f"{key} differs")
+    assert not torch.allclose(model.tokens.weight, TokenModel().tokens.weight), "the table never trained"
+
+
+def test_the_embedding_lr_scale_is_checked_and_resumes_by_the_config():
+    model = TokenModel()
+    tables = embedding_weight_ids(model)
+
+    def sync_for(**overrides):
+        cfg = DenseOptimizerConfig(name="adams", **overrides)
+        return DenseAllReduce(model, lambda ps: build_optimizer(ps, cfg, embeddings=tables))
+
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"embedding_lr_scale=.* must be a number > 0"):
+            sync_for(embedding_lr_scale=bad)
+    # an optimizer built without the tables (ZeRO-1's flat pieces, SDP's held parameters) refuses it
+    with pytest.raises(ValueError, match="built without the model's embedding tables"):
+        build_optimizer(list(model.parameters()), DenseOptimizerConfig(name="adams", embedding_lr_scale=2.0))
+    with pytest.raises(ValueError, match="built without the model's embedding tables"):
+        ZeroDenseSynchronizer(model, DenseOptimizerConfig(name="adams", embedding_lr_scale=2.0))
+    scaled = sync_for(embedding_lr_scale=2.0)
+    scaled.step(1e-2)
+    with pytest.raises(ValueError, match="3 parameter groups, this run's 2"):
+        sync_for().load_state_dict(scaled.state_dict())
+    # another scale on resume: the run's config decides, as it does the lr
+    resumed = sync_for(embedding_lr_scale=4.0)
+    resumed.load_state_dict(scaled.state_dict())
+    resumed.step(1e-2)
+    assert resumed.optimizer.param_groups[2]["lr"] == pytest.approx(4e-2)

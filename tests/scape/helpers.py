@@ -22,6 +22,19 @@ class TinyNet(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits, y)
 
 
+class TokenModel(torch.nn.Module):
+    """A token table and a head: only the rows of the tokens a batch holds get gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tokens = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.head(self.tokens(ids).mean(dim=1)), y)
+
+
 def make_model(seed: int = 0) -> TinyNet:
     torch.manual_seed(seed)
     return TinyNet()

@@ -21,7 +21,7 @@ from scape.averaging import SparseAverageSynchronizer, default_local_step_scale,
 from scape.config import OptimizerConfig
 from sdp.config import SDPConfig
 from tests.dist_helpers import run_distributed
-from tests.scape.helpers import batch, make_model, train
+from tests.scape.helpers import TokenModel, batch, make_model, train
 from tests.train_helpers import TINY, check, read_metrics, train_cli, train_losses
 from trainer.config import Config
 from trainer.parts import build_model_and_sync
@@ -694,25 +694,12 @@ def test_what_the_bound_cut_is_in_the_average_on_resharding():
     run_distributed(_unsent_cut_keeps_the_average, world_size=2)
 
 
-class _TokenModel(torch.nn.Module):
-    """A token table and a head: only the rows of the tokens a batch holds get gradients."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.tokens = torch.nn.Embedding(16, 8)
-        self.head = torch.nn.Linear(8, 3)
-
-    def forward(self, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(self.head(self.tokens(ids).mean(dim=1)), y)
-
-
 @pytest.mark.parametrize("embedding_bound", [0.0, 0.05])
 def test_the_embedding_table_has_its_own_step_bound(embedding_bound):
     from trainer.step import train_step
 
     lr, bound = 1e-2, 0.5
-    model = _TokenModel()
+    model = TokenModel()
     sync = SparseAverageSynchronizer(model, avg_config(normalizer="shared", weight_decay=0.0, step_bound=bound,
                                                        embedding_step_bound=embedding_bound))
     table, head = model.tokens.weight.detach().clone(), model.head.weight.detach().clone()
@@ -928,6 +915,9 @@ def test_settings_are_checked_and_the_builders_dispatch():
     for key in ("step_bound", "fresh_step_bound", "embedding_step_bound", "own_denominator_floor"):
         with pytest.raises(ValueError, match=f"optimizer.{key}=2 is a sparse_avg option; optimizer=scape does not"):
             scape.build_synchronizer(make_model(), avg_config(name="scape", **{key: 2}))
+    for name in ("scape", "sparse_avg"):
+        with pytest.raises(ValueError, match=f"embedding_lr_scale=2 is a dense optimizers' option; optimizer={name} "):
+            scape.build_synchronizer(TokenModel(), avg_config(name=name, embedding_lr_scale=2))
     with pytest.raises(ValueError, match="optimizer.exchange='gradient'"):
         SparseAverageSynchronizer(make_model(), avg_config(exchange="gradient"))
     with pytest.raises(ValueError, match="exchange=momentum .* needs optimizer.normalizer=local"):

@@ -40,9 +40,10 @@ def test_two_process_run_learns_logs_and_checkpoints(tmp_path, prepared_cache):
     assert "validation loss" in proc.stdout and str(run) in proc.stdout
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "adams"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adams", "adams optimizer.embedding_lr_scale=4"])
 def test_resume_auto_reproduces_the_uninterrupted_losses(tmp_path, prepared_cache, optimizer):
-    common = _args(tmp_path, prepared_cache, f"optimizer={optimizer}", "train.steps=10", "train.ckpt_every=0")
+    name, *options = optimizer.split()
+    common = _args(tmp_path, prepared_cache, f"optimizer={name}", *options, "train.steps=10", "train.ckpt_every=0")
     check(train_cli([*common, "run_name=straight"], nproc=2))
     check(train_cli([*common, "run_name=split", "train.stop_after_steps=4"], nproc=2))
     assert json.loads((tmp_path / "split" / "status.json").read_text()) == {"state": "stopped", "step": 4}
