@@ -36,7 +36,7 @@ class DenseOptimizerConfig:
     shard: bool = False
     grad_sync: str = "ddp"  # core.sync.GradSync, the dense arms: ddp (overlapped) | after_backward
     # the learning rate on the embedding tables (torch.nn.Embedding weights, a tied head with
-    # them) is lr times this; adamw and adams without shard
+    # them) is lr times this; adamw and adams without shard, and sparse_avg
     embedding_lr_scale: float = 1.0
 
 

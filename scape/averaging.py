@@ -108,7 +108,6 @@ SCAPE_ONLY_KEYS = ("offload_residual", "lag", "overlap_backward", "update", "sta
 def validate_sparse_avg(cfg: OptimizerConfig) -> None:
     """SCAPE's checks of the shared keys, and no SCAPE-only key away from its default."""
     refuse_foreign_keys(cfg, SCAPE_ONLY_KEYS, "a SCAPE", NAME)
-    refuse_foreign_keys(cfg, ("embedding_lr_scale",), "a dense optimizers'", NAME)
     validate_config(cfg)
     scale = cfg.local_step_scale
     if scale not in (0, 1) and (cfg.normalizer == "local" or cfg.exchange != "drift"):
@@ -233,6 +232,8 @@ class _SharedNormalizer:
         self.bounds: Optional[torch.Tensor] = None
         # own_denominator_floor f: D floored at the copy's own AdamS denominator / (f copies); 0 = none
         self.own_floor, self.copies = own_floor, copies
+        # embedding_lr_scale: the lr's multiplier per coordinate (k on the embedding tables); None = 1
+        self.lr_scales: Optional[torch.Tensor] = None
         self.second = torch.zeros_like(like)  # the average of q^2, not bias-corrected
         self.lr_sum = torch.zeros_like(like)  # learning rates summed since the last exchange
         self.last = torch.zeros(like.numel(), dtype=torch.int32, device=like.device)
@@ -307,9 +308,17 @@ class _SharedNormalizer:
 
         ``excess`` (clamp_excess=send): what the bound cuts, -s lr (u - clamp(u)), is added to it,
         to be sent with the drift at the coordinate's next exchange.
+
+        ``lr_scales`` (embedding_lr_scale k): the lr is k lr on the embedding tables, in the step,
+        its weight decay and the lr sum, so q (the drift over the lr sum) is the mean momentum there
+        too. The table's drifts are k times larger, which the top-k masks see.
         """
+        lr_scales = self.lr_scales
         if weight_decay != 0.0 and decay_end > 0:
-            param[:decay_end].mul_(1.0 - scale * lr * weight_decay)
+            if lr_scales is None:
+                param[:decay_end].mul_(1.0 - scale * lr * weight_decay)
+            else:
+                param[:decay_end].mul_(torch.mul(lr_scales[:decay_end], -scale * lr * weight_decay).add_(1.0))
         if frozen:
             update = torch.add(grad, momentum, alpha=beta1 / (1.0 - beta1)).mul_(1.0 - beta1)
             update.div_(self.denominator)
@@ -327,12 +336,17 @@ class _SharedNormalizer:
         self.clamped = (update.abs() > bound).sum()  # a device tensor: read at log steps only
         if excess is not None:
             clamped = update.clamp(-bound, bound)
-            excess.add_(update.sub_(clamped), alpha=-scale * lr)
+            cut = update.sub_(clamped)
+            excess.add_(cut if lr_scales is None else cut.mul_(lr_scales), alpha=-scale * lr)
             update = clamped
         else:
             update.clamp_(-bound, bound)
-        param.add_(update, alpha=-scale * lr)
-        self.lr_sum.add_(lr)
+        if lr_scales is None:
+            param.add_(update, alpha=-scale * lr)
+            self.lr_sum.add_(lr)
+        else:
+            param.add_(update.mul_(lr_scales), alpha=-scale * lr)
+            self.lr_sum.add_(lr_scales, alpha=lr)
 
     STATE_KEYS = ("second", "lr_sum", "last", "denominator")
 
@@ -429,6 +443,9 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         ) if cfg.normalizer in ("shared", "revealed", "oracle") or momentum_exchange else None
         if cfg.embedding_step_bound and self.normalizer is not None:
             self.normalizer.bounds = self._embedding_bounds(model, float(cfg.embedding_step_bound))
+        if cfg.embedding_lr_scale != 1 and self.normalizer is not None:
+            self.normalizer.lr_scales = self._per_table(model, 1.0, float(cfg.embedding_lr_scale),
+                                                        "embedding_lr_scale", "scales the lr on", 1)
         # exchange=momentum: A_i, this rank's lr-weighted sum of its bias-corrected momentum
         # since each coordinate's last exchange (what the ranks average instead of the drift)
         self.accumulated = torch.zeros_like(self.consensus) if momentum_exchange else None
@@ -442,17 +459,23 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self._sent = 0  # coordinates averaged this step
 
     def _embedding_bounds(self, model: torch.nn.Module, embedding_bound: float) -> torch.Tensor:
-        """The step bound per flat coordinate: ``embedding_bound`` on the weights of the model's
-        ``torch.nn.Embedding`` tables (a tied output head shares them), the bound elsewhere."""
+        """The step bound per flat coordinate: ``embedding_bound`` on the embedding tables, the bound elsewhere."""
+        return self._per_table(model, self.normalizer.bound, embedding_bound, "embedding_step_bound",
+                               "bounds the steps on", 0)
+
+    def _per_table(self, model: torch.nn.Module, elsewhere: float, on_tables: float, key: str, does: str,
+                   off: float) -> torch.Tensor:
+        """A value per flat coordinate: ``on_tables`` on the weights of the model's
+        ``torch.nn.Embedding`` tables (a tied output head shares them), ``elsewhere`` elsewhere."""
         tables = embedding_weight_ids(model)
         if not tables:
-            raise ValueError(f"optimizer.embedding_step_bound={embedding_bound:g} bounds the steps on the "
-                             f"embedding tables, but the model has no torch.nn.Embedding: leave it 0")
-        bounds = torch.full_like(self.consensus, self.normalizer.bound)
+            raise ValueError(f"optimizer.{key}={on_tables:g} {does} the embedding tables, but the model has "
+                             f"no torch.nn.Embedding: leave it {off:g}")
+        values = torch.full_like(self.consensus, elsewhere)
         for param, offset in zip(self.flat.params, self.flat.offsets):
             if id(param) in tables:
-                bounds[offset:offset + param.numel()] = embedding_bound
-        return bounds
+                values[offset:offset + param.numel()] = on_tables
+        return values
 
     # --- the loop's calls ----------------------------------------------------------------------
     def zero_grad(self) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+from core.optim import embedding_lr_scale
 from scape.config import OptimizerConfig
 from scape.quantize import BITS as QUANTIZED_BITS
 from scape.topk import TOPK_METHODS
@@ -178,6 +179,11 @@ def validate_config(cfg: OptimizerConfig) -> None:
                          f"denominator; it needs optimizer.normalizer=shared, revealed or oracle")
     if embedding and (cfg.normalizer == "local" or cfg.exchange != "drift"):
         raise ValueError(f"optimizer.embedding_step_bound={embedding} bounds the local steps over a shared "
+                         f"denominator on the embedding tables; it needs optimizer.normalizer=shared, revealed "
+                         f"or oracle and optimizer.exchange=drift")
+    lr_scale = embedding_lr_scale(cfg)
+    if lr_scale != 1 and (cfg.normalizer == "local" or cfg.exchange != "drift"):
+        raise ValueError(f"optimizer.embedding_lr_scale={lr_scale:g} scales the local steps over a shared "
                          f"denominator on the embedding tables; it needs optimizer.normalizer=shared, revealed "
                          f"or oracle and optimizer.exchange=drift")
     if cfg.step_bound and cfg.normalizer == "local":

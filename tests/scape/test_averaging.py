@@ -713,6 +713,70 @@ def test_the_embedding_table_has_its_own_step_bound(embedding_bound):
     torch.testing.assert_close((model.head.weight.detach() - head).abs(), torch.full_like(head, lr * bound))
 
 
+def test_the_embedding_lr_scale_scales_the_tables_step_and_decay():
+    from trainer.step import train_step
+
+    lr, bound, k, wd = 1e-2, 0.5, 3.0, 0.1
+    model = TokenModel()
+    sync = SparseAverageSynchronizer(model, avg_config(normalizer="shared", weight_decay=wd, step_bound=bound,
+                                                       embedding_lr_scale=k))
+    table, head = model.tokens.weight.detach().clone(), model.head.weight.detach().clone()
+    ids, y = torch.tensor([[1, 2, 3], [3, 4, 5]]), torch.tensor([0, 2])
+    train_step(sync.model, sync, iter([(ids, y)]), 1, lr, 0.0, sync.comm)
+    # step 1 is a sign step beyond the bound after the decay: k lr on the table, lr on the head
+    decayed = table * (1.0 - k * lr * wd)
+    moved = (model.tokens.weight.detach() - decayed).abs()
+    torch.testing.assert_close(moved[1:6], torch.full_like(moved[1:6], k * lr * bound))
+    torch.testing.assert_close(model.tokens.weight.detach()[6:], decayed[6:])
+    moved_head = (model.head.weight.detach() - head * (1.0 - lr * wd)).abs()
+    torch.testing.assert_close(moved_head, torch.full_like(head, lr * bound))
+
+
+class _ScaledTable(TokenModel):
+    """TokenModel with its table stored as W / k and read as k W': the same function of W."""
+
+    def __init__(self, k: float) -> None:
+        super().__init__()
+        self.k = k
+        with torch.no_grad():
+            self.tokens.weight.div_(k)
+
+    def forward(self, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.head((self.k * self.tokens(ids)).mean(dim=1)), y)
+
+
+def _lr_scale_is_a_table_in_other_units(rank: int, world: int) -> None:
+    """embedding_lr_scale k equals training the table in units k times smaller, W = k W': every
+    step of the rule is unit-free (m / D, the bound, q = drift D / lr sum) but the lr, so W' moves
+    by lr what W moves by k lr. No weight decay, no clipping and eps ~ 0 (none is unit-free), a
+    cyclic mask (the top-k would see the drifts' units)."""
+    from trainer.step import train_step
+
+    k = 4.0  # a power of 2: W / k and k W' are exact
+    cfg = dict(sparsity=0.5, mask_rule="cyclic", normalizer="shared", weight_decay=0.0, step_bound=3.0, eps=1e-20)
+    scaled, reference = TokenModel(), _ScaledTable(k)
+    sync = SparseAverageSynchronizer(scaled, avg_config(**cfg, embedding_lr_scale=k))
+    ref = SparseAverageSynchronizer(reference, avg_config(**cfg))
+    for step in range(1, 7):
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        ids = torch.randint(0, 16, (4, 3), generator=gen)
+        for model, s in ((scaled, sync), (reference, ref)):
+            train_step(s.train_module, s, iter([(ids, ids[:, 0] % 3)]), 1, 1e-2 / step, 0.0, s.comm)
+    assert sync.normalizer.clamped > 0  # the bound took part
+    torch.testing.assert_close(scaled.tokens.weight, k * reference.tokens.weight, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(scaled.head.weight, reference.head.weight, rtol=1e-5, atol=1e-7)
+    table = sync.flat.offsets[[id(p) for p in sync.flat.params].index(id(scaled.tokens.weight))]
+    size = scaled.tokens.weight.numel()
+    torch.testing.assert_close(sync.averaged_weights()[table:table + size].view_as(scaled.tokens.weight),
+                               k * ref.averaged_weights()[table:table + size].view_as(scaled.tokens.weight),
+                               rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(scaled.tokens.weight, TokenModel().tokens.weight), "the table never trained"
+
+
+def test_the_embedding_lr_scale_trains_the_table_as_in_smaller_units():
+    run_distributed(_lr_scale_is_a_table_in_other_units, world_size=2)
+
+
 def _resharded_mask_follows_the_lr(rank: int, world: int) -> None:
     cfg = avg_config(sparsity=0.6, mask_rule="cyclic", normalizer="shared", density_lr_power=0.5)
     model = make_model()
@@ -915,9 +979,14 @@ def test_settings_are_checked_and_the_builders_dispatch():
     for key in ("step_bound", "fresh_step_bound", "embedding_step_bound", "own_denominator_floor"):
         with pytest.raises(ValueError, match=f"optimizer.{key}=2 is a sparse_avg option; optimizer=scape does not"):
             scape.build_synchronizer(make_model(), avg_config(name="scape", **{key: 2}))
-    for name in ("scape", "sparse_avg"):
-        with pytest.raises(ValueError, match=f"embedding_lr_scale=2 is a dense optimizers' option; optimizer={name} "):
-            scape.build_synchronizer(TokenModel(), avg_config(name=name, embedding_lr_scale=2))
+    with pytest.raises(ValueError, match="embedding_lr_scale=2 is a dense optimizers' option; optimizer=scape "):
+        scape.build_synchronizer(TokenModel(), avg_config(name="scape", embedding_lr_scale=2))
+    with pytest.raises(ValueError, match="embedding_lr_scale=2 scales the local steps over a shared denominator"):
+        SparseAverageSynchronizer(TokenModel(), avg_config(embedding_lr_scale=2))
+    with pytest.raises(ValueError, match="embedding_lr_scale=0 must be a number > 0"):
+        SparseAverageSynchronizer(TokenModel(), avg_config(normalizer="shared", embedding_lr_scale=0))
+    with pytest.raises(ValueError, match="embedding_lr_scale=2 scales the lr on the embedding tables, but the model"):
+        SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared", embedding_lr_scale=2))
     with pytest.raises(ValueError, match="optimizer.exchange='gradient'"):
         SparseAverageSynchronizer(make_model(), avg_config(exchange="gradient"))
     with pytest.raises(ValueError, match="exchange=momentum .* needs optimizer.normalizer=local"):
