@@ -281,7 +281,7 @@ class _SharedNormalizer:
 
     def local_step(self, param: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor, lr: float,
                    beta1: float, bias_correction: float, weight_decay: float, decay_end: int, step: int,
-                   frozen: bool = False, scale: float = 1.0, excess: Optional[torch.Tensor] = None) -> None:
+                   frozen: bool = False, scale: Any = 1.0, excess: Optional[torch.Tensor] = None) -> None:
         """y *= 1 - s lr wd (decay range); m = b1 m + (1 - b1) g; y -= s lr clamp((m / bc) / D, +-c).
 
         s is ``local_step_scale``: the copy takes that share of its step, while the lr sum that
@@ -311,14 +311,20 @@ class _SharedNormalizer:
 
         ``lr_scales`` (embedding_lr_scale k): the lr is k lr on the embedding tables, in the step,
         its weight decay and the lr sum, so q (the drift over the lr sum) is the mean momentum there
-        too. The table's drifts are k times larger, which the top-k masks see.
+        too. The table's drifts are k times larger, which the top-k masks see. ``scale`` is a
+        tensor where the tables have their own share (embedding_local_step_scale).
         """
         lr_scales = self.lr_scales
+        # the copy moves by share x lr x mult: mult None (1), or the per-coordinate part of it
+        if isinstance(scale, torch.Tensor):
+            share, mult = 1.0, (scale if lr_scales is None else scale * lr_scales)
+        else:
+            share, mult = scale, lr_scales
         if weight_decay != 0.0 and decay_end > 0:
-            if lr_scales is None:
-                param[:decay_end].mul_(1.0 - scale * lr * weight_decay)
+            if mult is None:
+                param[:decay_end].mul_(1.0 - share * lr * weight_decay)
             else:
-                param[:decay_end].mul_(torch.mul(lr_scales[:decay_end], -scale * lr * weight_decay).add_(1.0))
+                param[:decay_end].mul_(torch.mul(mult[:decay_end], -share * lr * weight_decay).add_(1.0))
         if frozen:
             update = torch.add(grad, momentum, alpha=beta1 / (1.0 - beta1)).mul_(1.0 - beta1)
             update.div_(self.denominator)
@@ -337,15 +343,14 @@ class _SharedNormalizer:
         if excess is not None:
             clamped = update.clamp(-bound, bound)
             cut = update.sub_(clamped)
-            excess.add_(cut if lr_scales is None else cut.mul_(lr_scales), alpha=-scale * lr)
+            excess.add_(cut if mult is None else cut.mul_(mult), alpha=-share * lr)
             update = clamped
         else:
             update.clamp_(-bound, bound)
+        param.add_(update if mult is None else update.mul_(mult), alpha=-share * lr)
         if lr_scales is None:
-            param.add_(update, alpha=-scale * lr)
             self.lr_sum.add_(lr)
         else:
-            param.add_(update.mul_(lr_scales), alpha=-scale * lr)
             self.lr_sum.add_(lr_scales, alpha=lr)
 
     STATE_KEYS = ("second", "lr_sum", "last", "denominator")
@@ -399,6 +404,9 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self.local_step_scale = (float(cfg.local_step_scale)
                                  or (default_local_step_scale(self.copies, cfg.local_step_scale_power)
                                      if shared_steps else 1.0))
+        # embedding_local_step_scale: the tables' own share (step_shares: the share per coordinate)
+        self.table_step_scale = float(cfg.embedding_local_step_scale) or self.local_step_scale
+        self.step_shares: Optional[torch.Tensor] = None
         # the outer momentum u (replicated like x); None = plain averaging
         self.outer_velocity = torch.zeros_like(self.consensus) if self.outer_momentum else None
         self.mask_rule = cfg.mask_rule
@@ -443,6 +451,9 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         ) if cfg.normalizer in ("shared", "revealed", "oracle") or momentum_exchange else None
         if cfg.embedding_step_bound and self.normalizer is not None:
             self.normalizer.bounds = self._embedding_bounds(model, float(cfg.embedding_step_bound))
+        if self.table_step_scale != self.local_step_scale:
+            self.step_shares = self._per_table(model, self.local_step_scale, self.table_step_scale,
+                                               "embedding_local_step_scale", "sets the copies' share of the step on", 0)
         if cfg.embedding_lr_scale != 1 and self.normalizer is not None:
             self.normalizer.lr_scales = self._per_table(model, 1.0, float(cfg.embedding_lr_scale),
                                                         "embedding_lr_scale", "scales the lr on", 1)
@@ -542,7 +553,9 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             return
         mean_momentum = payload[count:2 * count].float().div_(self.copies) if revealed else None
         mean = self._outer_step(mean, mask)
-        if self.local_step_scale != 1.0:  # the copies took that share of their steps
+        if self.step_shares is not None:  # the copies took those shares of their steps
+            mean.div_(_take(self.step_shares, mask))
+        elif self.local_step_scale != 1.0:
             mean.div_(self.local_step_scale)
         self._record_rate(mean, mask, step)
         if self.revealed:  # q: the mean momentum now (after step t - 1), bias-corrected
@@ -819,7 +832,8 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             opt.param_groups[0]["lr"] = lr
             self.normalizer.local_step(self.flat.data, opt.momentum, self.flat.grad, lr, opt.beta1,
                                        1.0 - opt.beta1 ** step, opt.weight_decay, opt.decay_end, step,
-                                       frozen=self.consensus_momentum, scale=self.local_step_scale,
+                                       frozen=self.consensus_momentum,
+                                       scale=self.local_step_scale if self.step_shares is None else self.step_shares,
                                        excess=self.clamp_excess)
         self.step_count = step
 
@@ -860,7 +874,8 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             start = self.mean_error_start
             drift[start:start + self.mean_error.numel()].add_(self.mean_error, alpha=self.copies)
         self.exchange_comm.all_reduce(drift, kind="average")
-        return drift.div_(self.copies * self.local_step_scale).add_(self.consensus)
+        shares = self.local_step_scale if self.step_shares is None else self.step_shares
+        return drift.div_(shares).div_(self.copies).add_(self.consensus)
 
     @contextlib.contextmanager
     def evaluation_weights(self) -> Iterator[None]:
@@ -908,7 +923,8 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
                                  # the last step's lr / peak lr sizes the next mask (density_lr_power)
                                  "lr_ratio": float(self.masks.lr_ratio),
                                  # the copies' drifts are in its units
-                                 "local_step_scale": self.local_step_scale}
+                                 "local_step_scale": self.local_step_scale,
+                                 "embedding_local_step_scale": self.table_step_scale}
         if self.outer_velocity is not None:
             state["outer_velocity"] = self.outer_velocity.detach().cpu().clone()
         if self.cycle_place is not None:
@@ -927,6 +943,11 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             raise ValueError(f"this checkpoint was written with optimizer.local_step_scale={written}, this "
                              f"run has {self.local_step_scale}: the copies' drifts are in its units; resume "
                              f"with optimizer.local_step_scale={written}")
+        table = float(state.get("embedding_local_step_scale", written))  # written before it existed: the same
+        if table != self.table_step_scale:
+            raise ValueError(f"this checkpoint was written with the copies taking {table} of their step on the "
+                             f"embedding tables, this run {self.table_step_scale}: the drifts there are in its "
+                             f"units; resume with optimizer.embedding_local_step_scale={table}")
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if state.get("optimizer") != NAME or "consensus" not in state:

@@ -72,6 +72,9 @@ class OptimizerConfig(DenseOptimizerConfig):
     # local_step_scale_power (0.5 holds the copies' spread at what 4 copies have at the whole step)
     local_step_scale: float = 1.0
     local_step_scale_power: float = 0.37
+    # the share on the embedding tables; 0 = local_step_scale. With embedding_lr_scale k a share
+    # of local_step_scale / k moves the copies' tables as at k = 1 while x moves by k lr there
+    embedding_local_step_scale: float = 0.0
     # whose norm clips a copy's gradient at grad_clip: rank (each copy by its own norm, so the
     # mean gradient weighs each copy's by 1 / its norm while it is clipped) or shared (every copy
     # by the same factor, grad_clip / the copies' RMS norm: the mean is the mean gradient scaled

@@ -51,7 +51,8 @@ SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule", "normalizer",
                         "fresh_step_bound", "embedding_step_bound", "own_denominator_floor", "clamp_excess", "average_momentum",
                         "local_momentum", "density_lr_power", "min_sparsity",
                         "ranks_per_copy", "value_bits", "quantized_collective", "requantization_error",
-                        "local_step_scale", "local_step_scale_power", "grad_clip_scope")
+                        "local_step_scale", "local_step_scale_power", "embedding_local_step_scale",
+                        "grad_clip_scope")
 LOCAL_MOMENTA = ("own", "consensus")
 MASK_RULES = ("drift", "deviation", "random", "cyclic")
 NORMALIZERS = ("local", "shared", "revealed", "oracle")
@@ -198,6 +199,14 @@ def validate_config(cfg: OptimizerConfig) -> None:
     if not (isinstance(scale, (int, float)) and 0 <= scale <= 1):
         raise ValueError(f"optimizer.local_step_scale={scale!r} must lie in [0, 1] (1 = the copies take "
                          f"their whole local step; 0 = min(1, (4 / copies)^local_step_scale_power))")
+    table = cfg.embedding_local_step_scale
+    if not (isinstance(table, (int, float)) and 0 <= table <= 1):
+        raise ValueError(f"optimizer.embedding_local_step_scale={table!r} must lie in [0, 1] (the share of its "
+                         f"local step a copy takes on the embedding tables; 0 = optimizer.local_step_scale)")
+    if table and (cfg.normalizer == "local" or cfg.exchange != "drift"):
+        raise ValueError(f"optimizer.embedding_local_step_scale={table} scales the local steps over a shared "
+                         f"denominator on the embedding tables; it needs optimizer.normalizer=shared, revealed "
+                         f"or oracle and optimizer.exchange=drift")
     power = cfg.local_step_scale_power
     if not (isinstance(power, (int, float)) and 0 <= power <= 1):
         raise ValueError(f"optimizer.local_step_scale_power={power!r} must lie in [0, 1]: with local_step_scale=0 "

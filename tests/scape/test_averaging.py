@@ -732,6 +732,53 @@ def test_the_embedding_lr_scale_scales_the_tables_step_and_decay():
     torch.testing.assert_close(moved_head, torch.full_like(head, lr * bound))
 
 
+def test_the_tables_own_share_of_the_local_step():
+    """embedding_local_step_scale s_e: the copy's table moves by s_e of its step, the averaged
+    model by the whole of it (the exchange divides the table's mean drift by s_e)."""
+    from trainer.step import train_step
+
+    lr, bound, k = 1e-2, 0.5, 4.0
+    model = TokenModel()
+    sync = SparseAverageSynchronizer(model, avg_config(normalizer="shared", weight_decay=0.0, step_bound=bound,
+                                                       embedding_lr_scale=k, embedding_local_step_scale=1 / k))
+    table, head = model.tokens.weight.detach().clone(), model.head.weight.detach().clone()
+    ids, y = torch.tensor([[1, 2, 3], [3, 4, 5]]), torch.tensor([0, 2])
+    train_step(sync.model, sync, iter([(ids, y)]), 1, lr, 0.0, sync.comm)
+    moved = (model.tokens.weight.detach() - table).abs()
+    torch.testing.assert_close(moved[1:6], torch.full_like(moved[1:6], lr * bound))  # the copy: as at k = 1
+    averaged = sync.averaged_weights()
+    at = sync.flat.offsets[[id(p) for p in sync.flat.params].index(id(model.tokens.weight))]
+    averaged_table = averaged[at:at + table.numel()].view_as(table)
+    torch.testing.assert_close((averaged_table - table).abs()[1:6], torch.full_like(moved[1:6], k * lr * bound))
+    torch.testing.assert_close((model.head.weight.detach() - head).abs(), torch.full_like(head, lr * bound))
+
+
+def _the_exchange_divides_the_tables_drift_by_its_share(rank: int, world: int) -> None:
+    """Every coordinate averaged every step: the exchange moves x to what the averaged model was,
+    x + mean_i d_i / share (the table's share 1 / 4, 1 elsewhere), on 2 copies."""
+    from trainer.step import train_step
+
+    cfg = dict(sparsity=0.5, dense_warmup_steps=100, normalizer="shared", value_dtype="fp32", value_bits=0,
+               embedding_lr_scale=4.0)
+    sync = SparseAverageSynchronizer(TokenModel(), avg_config(**cfg, embedding_local_step_scale=0.25))
+    for step in range(1, 6):
+        ids = torch.randint(0, 16, (4, 3), generator=torch.Generator().manual_seed(100 * step + rank))
+        train_step(sync.train_module, sync, iter([(ids, ids[:, 0] % 3)]), 1, 1e-2, 1.0, sync.comm)
+        if step == 4:
+            drifts = _gathered(sync.flat.data - sync.consensus, world)
+            expected = sync.consensus + torch.stack(drifts).mean(0) / sync.step_shares
+            torch.testing.assert_close(sync.averaged_weights(), expected, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(sync.consensus, expected, rtol=1e-6, atol=1e-7)
+    assert sorted(set(sync.step_shares.tolist())) == [0.25, 1.0]
+    whole = SparseAverageSynchronizer(TokenModel(), avg_config(**cfg))
+    with pytest.raises(ValueError, match="resume with optimizer.embedding_local_step_scale=0.25"):
+        whole.load_state_dict(sync.state_dict())
+
+
+def test_the_exchange_divides_the_tables_drift_by_its_share():
+    run_distributed(_the_exchange_divides_the_tables_drift_by_its_share, world_size=2)
+
+
 class _ScaledTable(TokenModel):
     """TokenModel with its table stored as W / k and read as k W': the same function of W."""
 
@@ -987,6 +1034,14 @@ def test_settings_are_checked_and_the_builders_dispatch():
         SparseAverageSynchronizer(TokenModel(), avg_config(normalizer="shared", embedding_lr_scale=0))
     with pytest.raises(ValueError, match="embedding_lr_scale=2 scales the lr on the embedding tables, but the model"):
         SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared", embedding_lr_scale=2))
+    with pytest.raises(ValueError, match="embedding_local_step_scale=0.5 scales the local steps over a shared"):
+        SparseAverageSynchronizer(TokenModel(), avg_config(embedding_local_step_scale=0.5))
+    with pytest.raises(ValueError, match=r"embedding_local_step_scale=1.5 must lie in \[0, 1\]"):
+        SparseAverageSynchronizer(TokenModel(), avg_config(normalizer="shared", embedding_local_step_scale=1.5))
+    with pytest.raises(ValueError, match="embedding_local_step_scale=0.5 sets the copies' share of the step on the"):
+        SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared", embedding_local_step_scale=0.5))
+    with pytest.raises(ValueError, match="embedding_local_step_scale=0.5 is a sparse_avg option; optimizer=scape"):
+        scape.build_synchronizer(make_model(), avg_config(name="scape", embedding_local_step_scale=0.5))
     with pytest.raises(ValueError, match="optimizer.exchange='gradient'"):
         SparseAverageSynchronizer(make_model(), avg_config(exchange="gradient"))
     with pytest.raises(ValueError, match="exchange=momentum .* needs optimizer.normalizer=local"):
