@@ -72,6 +72,13 @@ def refuse_foreign_keys(cfg: OptimizerConfig, keys, owner: str, here: str) -> No
                              f"optimizer={here} does not use it (leave it at {fields[key].default!r})")
 
 
+def _needs_shared_steps(cfg: OptimizerConfig, setting: str, does: str) -> None:
+    """``setting`` acts on the local steps over a shared denominator: refused where there are none."""
+    if cfg.normalizer == "local" or cfg.exchange != "drift":
+        raise ValueError(f"optimizer.{setting} {does}; it needs optimizer.normalizer=shared, revealed or oracle "
+                         f"and optimizer.exchange=drift")
+
+
 def validate_config(cfg: OptimizerConfig) -> None:
     sparsity = cfg.sparsity
     if not (isinstance(sparsity, (int, float)) and 0.0 <= sparsity < 1.0):
@@ -171,22 +178,19 @@ def validate_config(cfg: OptimizerConfig) -> None:
         raise ValueError(f"optimizer.requantization_error={cfg.requantization_error} says where the owners' second "
                          f"quantization error goes; it needs optimizer.quantized_collective=compressed_all_reduce")
     _choice("clamp_excess", cfg.clamp_excess, CLAMP_EXCESSES)
-    if cfg.clamp_excess != "drop" and (cfg.normalizer == "local" or cfg.exchange != "drift"):
-        raise ValueError(f"optimizer.clamp_excess={cfg.clamp_excess} sends what the step bound cuts off a local "
-                         f"step over a shared denominator with the drift; it needs optimizer.normalizer=shared, "
-                         f"revealed or oracle and optimizer.exchange=drift")
+    if cfg.clamp_excess != "drop":
+        _needs_shared_steps(cfg, f"clamp_excess={cfg.clamp_excess}", "sends what the step bound cuts off a local "
+                            "step over a shared denominator with the drift")
     if fresh and cfg.normalizer == "local":
         raise ValueError(f"optimizer.fresh_step_bound={fresh} bounds the steps over a freshly exchanged shared "
                          f"denominator; it needs optimizer.normalizer=shared, revealed or oracle")
-    if embedding and (cfg.normalizer == "local" or cfg.exchange != "drift"):
-        raise ValueError(f"optimizer.embedding_step_bound={embedding} bounds the local steps over a shared "
-                         f"denominator on the embedding tables; it needs optimizer.normalizer=shared, revealed "
-                         f"or oracle and optimizer.exchange=drift")
+    if embedding:
+        _needs_shared_steps(cfg, f"embedding_step_bound={embedding}", "bounds the local steps over a shared "
+                            "denominator on the embedding tables")
     lr_scale = embedding_lr_scale(cfg)
-    if lr_scale != 1 and (cfg.normalizer == "local" or cfg.exchange != "drift"):
-        raise ValueError(f"optimizer.embedding_lr_scale={lr_scale:g} scales the local steps over a shared "
-                         f"denominator on the embedding tables; it needs optimizer.normalizer=shared, revealed "
-                         f"or oracle and optimizer.exchange=drift")
+    if lr_scale != 1:
+        _needs_shared_steps(cfg, f"embedding_lr_scale={lr_scale:g}", "scales the local steps over a shared "
+                            "denominator on the embedding tables")
     if cfg.step_bound and cfg.normalizer == "local":
         raise ValueError(f"optimizer.step_bound={cfg.step_bound} bounds the steps over a shared denominator; "
                          f"it needs optimizer.normalizer=shared, revealed or oracle")
@@ -203,10 +207,9 @@ def validate_config(cfg: OptimizerConfig) -> None:
     if not (isinstance(table, (int, float)) and 0 <= table <= 1):
         raise ValueError(f"optimizer.embedding_local_step_scale={table!r} must lie in [0, 1] (the share of its "
                          f"local step a copy takes on the embedding tables; 0 = optimizer.local_step_scale)")
-    if table and (cfg.normalizer == "local" or cfg.exchange != "drift"):
-        raise ValueError(f"optimizer.embedding_local_step_scale={table} scales the local steps over a shared "
-                         f"denominator on the embedding tables; it needs optimizer.normalizer=shared, revealed "
-                         f"or oracle and optimizer.exchange=drift")
+    if table:
+        _needs_shared_steps(cfg, f"embedding_local_step_scale={table}", "scales the local steps over a shared "
+                            "denominator on the embedding tables")
     power = cfg.local_step_scale_power
     if not (isinstance(power, (int, float)) and 0 <= power <= 1):
         raise ValueError(f"optimizer.local_step_scale_power={power!r} must lie in [0, 1]: with local_step_scale=0 "
