@@ -21,7 +21,7 @@ LOG_EVERY, STEPS = 4, 9
 READS = ("item", "__float__", "__bool__", "__int__", "tolist", "numpy")
 
 
-def _fused_adamw(params, cfg, adams_kernel=None):  # noqa: ARG001 - build_optimizer's signature
+def _fused_adamw(params, cfg, adams_kernel=None, embeddings=frozenset()):  # noqa: ARG001 - build_optimizer's signature
     from core.flat import param_groups
 
     return torch.optim.AdamW(param_groups(params, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
