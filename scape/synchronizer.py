@@ -50,7 +50,7 @@ class ScapeSynchronizer(MaskedSynchronizer):
         cfg = as_dataclass(cfg)
         # a sparse_avg key is refused by name first: its own checks would ask for sparse_avg settings
         refuse_foreign_keys(cfg, SPARSE_AVG_ONLY_KEYS, "a sparse_avg", "scape")
-        refuse_foreign_keys(cfg, ("embedding_lr_scale",), "a dense optimizers'", "scape")
+        refuse_foreign_keys(cfg, ("embedding_lr_scale",), "an adamw, adams and sparse_avg", "scape")
         validate_config(cfg)
         self.cfg = cfg
         self.beta1, self.beta2 = float(cfg.betas[0]), float(cfg.betas[1])

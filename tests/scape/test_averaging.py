@@ -1026,7 +1026,7 @@ def test_settings_are_checked_and_the_builders_dispatch():
     for key in ("step_bound", "fresh_step_bound", "embedding_step_bound", "own_denominator_floor"):
         with pytest.raises(ValueError, match=f"optimizer.{key}=2 is a sparse_avg option; optimizer=scape does not"):
             scape.build_synchronizer(make_model(), avg_config(name="scape", **{key: 2}))
-    with pytest.raises(ValueError, match="embedding_lr_scale=2 is a dense optimizers' option; optimizer=scape "):
+    with pytest.raises(ValueError, match="embedding_lr_scale=2 is an adamw, adams and sparse_avg option; optimizer=scape "):
         scape.build_synchronizer(TokenModel(), avg_config(name="scape", embedding_lr_scale=2))
     with pytest.raises(ValueError, match="embedding_lr_scale=2 scales the local steps over a shared denominator"):
         SparseAverageSynchronizer(TokenModel(), avg_config(embedding_lr_scale=2))
