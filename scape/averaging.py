@@ -311,7 +311,8 @@ class _SharedNormalizer:
 
         ``lr_scales`` (embedding_lr_scale k): the lr is k lr on the embedding tables, in the step,
         its weight decay and the lr sum, so q (the drift over the lr sum) is the mean momentum there
-        too. The table's drifts are k times larger, which the top-k masks see. ``scale`` is a
+        too. The table's drifts are k times larger, which the top-k masks see (embedding_score_scale
+        1 / k scores them in the rest's units). ``scale`` is a
         tensor where the tables have their own share (embedding_local_step_scale).
         """
         lr_scales = self.lr_scales
@@ -454,6 +455,12 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         if self.table_step_scale != self.local_step_scale:
             self.step_shares = self._per_table(model, self.local_step_scale, self.table_step_scale,
                                                "embedding_local_step_scale", "sets the copies' share of the step on", 0)
+        # embedding_score_scale: the top-k score's factor per coordinate of this rank's partitions
+        self.score_scales: Optional[torch.Tensor] = None
+        if cfg.embedding_score_scale != 1:
+            own = slice(self.layout.owned_start, self.layout.owned_start + self.layout.owned_numel)
+            self.score_scales = self._per_table(model, 1.0, float(cfg.embedding_score_scale),
+                                                "embedding_score_scale", "scales the score on", 1)[own].clone()
         if cfg.embedding_lr_scale != 1 and self.normalizer is not None:
             self.normalizer.lr_scales = self._per_table(model, 1.0, float(cfg.embedding_lr_scale),
                                                         "embedding_lr_scale", "scales the lr on", 1)
@@ -786,7 +793,13 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             return
         if self.accumulated is not None:  # exchange=momentum: the pending consensus movement
             torch.abs(self.accumulated[own], out=self.score)
-            return
+        else:
+            self._drift_score(own, following)
+        if self.score_scales is not None:  # the tables scored in the rest's units
+            self.score.mul_(self.score_scales)
+
+    def _drift_score(self, own: slice, following: int) -> None:
+        """|what this copy would send| on its own partitions (mask_rule drift or deviation)."""
         torch.sub(self.flat.data[own], self.consensus[own], out=self.score)
         if self.clamp_excess is not None:  # the drift it would send holds what the bound cut
             self.score.add_(self.clamp_excess[own])

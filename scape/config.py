@@ -75,6 +75,11 @@ class OptimizerConfig(DenseOptimizerConfig):
     # the share on the embedding tables; 0 = local_step_scale. With embedding_lr_scale k a share
     # of local_step_scale / k moves the copies' tables as at k = 1 while x moves by k lr there
     embedding_local_step_scale: float = 0.0
+    # the top-k score of the embedding tables' coordinates times this (mask_rule drift or
+    # deviation). With embedding_lr_scale k the tables' drifts are k times larger than the rest's
+    # for the same number of steps; in a partition that holds a table and other weights they
+    # then take its values, and 1 / k scores the table in the rest's units
+    embedding_score_scale: float = 1.0
     # whose norm clips a copy's gradient at grad_clip: rank (each copy by its own norm, so the
     # mean gradient weighs each copy's by 1 / its norm while it is clipped) or shared (every copy
     # by the same factor, grad_clip / the copies' RMS norm: the mean is the mean gradient scaled

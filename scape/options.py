@@ -52,6 +52,7 @@ SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule", "normalizer",
                         "local_momentum", "density_lr_power", "min_sparsity",
                         "ranks_per_copy", "value_bits", "quantized_collective", "requantization_error",
                         "local_step_scale", "local_step_scale_power", "embedding_local_step_scale",
+                        "embedding_score_scale",
                         "grad_clip_scope")
 LOCAL_MOMENTA = ("own", "consensus")
 MASK_RULES = ("drift", "deviation", "random", "cyclic")
@@ -210,6 +211,13 @@ def validate_config(cfg: OptimizerConfig) -> None:
     if table:
         _needs_shared_steps(cfg, f"embedding_local_step_scale={table}", "scales the local steps over a shared "
                             "denominator on the embedding tables")
+    score_scale = cfg.embedding_score_scale
+    if not (isinstance(score_scale, (int, float)) and math.isfinite(score_scale) and score_scale > 0):
+        raise ValueError(f"optimizer.embedding_score_scale={score_scale!r} must be a number > 0 (the top-k score "
+                         f"of the embedding tables' drifts times it; 1 = scored as the rest)")
+    if score_scale != 1 and cfg.mask_rule not in ("drift", "deviation"):
+        raise ValueError(f"optimizer.embedding_score_scale={score_scale:g} scales the drifts' top-k score; "
+                         f"optimizer.mask_rule={cfg.mask_rule} does not score them: leave it 1")
     power = cfg.local_step_scale_power
     if not (isinstance(power, (int, float)) and 0 <= power <= 1):
         raise ValueError(f"optimizer.local_step_scale_power={power!r} must lie in [0, 1]: with local_step_scale=0 "

@@ -25,10 +25,10 @@ class TinyNet(torch.nn.Module):
 class TokenModel(torch.nn.Module):
     """A token table and a head: only the rows of the tokens a batch holds get gradients."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab: int = 16) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.tokens = torch.nn.Embedding(16, 8)
+        self.tokens = torch.nn.Embedding(vocab, 8)
         self.head = torch.nn.Linear(8, 3)
 
     def forward(self, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

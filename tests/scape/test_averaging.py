@@ -820,6 +820,38 @@ def _lr_scale_is_a_table_in_other_units(rank: int, world: int) -> None:
     assert not torch.allclose(scaled.tokens.weight, TokenModel().tokens.weight), "the table never trained"
 
 
+def _the_tables_score_is_scaled(rank: int, world: int) -> None:
+    """embedding_score_scale s: each owner's top-k over its partition scores |d| x s on the
+    table's coordinates (|d| elsewhere); the mask then differs from the unscaled one. The table
+    (24 x 8) fills partition 0 and part of partition 1, where it competes with the head."""
+    from trainer.step import train_step
+
+    cfg = dict(sparsity=0.75, normalizer="shared", value_dtype="fp32", value_bits=0, step_bound=1000.0,
+               embedding_lr_scale=8.0)
+    masks = {}
+    for score_scale in (1.0, 0.125):
+        sync = SparseAverageSynchronizer(TokenModel(vocab=24), avg_config(**cfg, embedding_score_scale=score_scale))
+        for step in range(1, 4):
+            ids = torch.randint(0, 24, (4, 3), generator=torch.Generator().manual_seed(100 * step + rank))
+            train_step(sync.train_module, sync, iter([(ids, ids[:, 0] % 3)]), 1, 1e-2, 1.0, sync.comm)
+        sync._wait_pending()
+        drifts = _gathered(sync.flat.data - sync.consensus, world)
+        scales = torch.ones_like(sync.consensus)
+        at = sync.flat.offsets[[id(p) for p in sync.flat.params].index(id(sync.model.tokens.weight))]
+        scales[at:at + sync.model.tokens.weight.numel()] = score_scale
+        size, k = sync.layout.partition_size, sync.mask_k
+        expected = torch.cat([p * size + (drifts[p][p * size:(p + 1) * size].abs()
+                                          * scales[p * size:(p + 1) * size]).topk(k).indices.sort().values
+                              for p in range(world)])
+        assert sync.mask_step == 4 and torch.equal(sync.mask, expected)
+        masks[score_scale] = sync.mask
+    assert not torch.equal(masks[1.0], masks[0.125])
+
+
+def test_the_tables_top_k_score_is_scaled():
+    run_distributed(_the_tables_score_is_scaled, world_size=2)
+
+
 def test_the_embedding_lr_scale_trains_the_table_as_in_smaller_units():
     run_distributed(_lr_scale_is_a_table_in_other_units, world_size=2)
 
