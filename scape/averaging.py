@@ -220,8 +220,10 @@ class _SharedNormalizer:
 
     def __init__(self, like: torch.Tensor, beta: float, eps: float, max_covered: Optional[float] = None,
                  bound: float = 0.0, copies: int = 1, fresh_bound: float = 0.0,
-                 own_floor: float = 0.0) -> None:
+                 own_floor: float = 0.0, memory: Optional[float] = None) -> None:
         self.beta, self.eps = beta, eps
+        # denominator_beta: D^2's average of q^2 per step covered (beta, AdamS's b2, if None)
+        self.memory = beta if memory is None else memory
         # normalizer=revealed: one revealed momentum is one sample, worth at most the momentum's
         # correlation time 1 / (1 - b1) of steps however long the interval was
         self.max_covered = max_covered
@@ -242,7 +244,7 @@ class _SharedNormalizer:
 
     def start(self, mean_grad: torch.Tensor) -> None:
         """Step 1: the (clipped) mean gradient is the first q."""
-        self.second.copy_(mean_grad.square().mul_(1.0 - self.beta))
+        self.second.copy_(mean_grad.square().mul_(1.0 - self.memory))
         self.last.fill_(1)
         torch.add(mean_grad.abs(), self.eps, out=self.denominator)
 
@@ -252,10 +254,10 @@ class _SharedNormalizer:
         covered = (step - _take(self.last, mask)).float()
         if self.max_covered is not None:
             covered.clamp_(max=self.max_covered)
-        weight = torch.pow(torch.full_like(second, self.beta), covered)
+        weight = torch.pow(torch.full_like(second, self.memory), covered)
         folded = second * weight + q.square() * (1.0 - weight)
         second = torch.where(lr_sum > 0, folded, second)  # no lr since: nothing was revealed
-        return second, (second / (1.0 - self.beta ** step)).sqrt_().add_(self.eps)
+        return second, (second / (1.0 - self.memory ** step)).sqrt_().add_(self.eps)
 
     def commit(self, second: torch.Tensor, denom: torch.Tensor, mask: Optional[torch.Tensor], step: int) -> None:
         if mask is None:
@@ -449,6 +451,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             self.consensus, float(cfg.betas[1]), float(cfg.eps),
             1.0 / (1.0 - float(cfg.betas[0])) if self.revealed else None, float(cfg.step_bound), self.copies,
             float(cfg.fresh_step_bound), float(cfg.own_denominator_floor),
+            None if cfg.denominator_beta is None else float(cfg.denominator_beta),
         ) if cfg.normalizer in ("shared", "revealed", "oracle") or momentum_exchange else None
         if cfg.embedding_step_bound and self.normalizer is not None:
             self.normalizer.bounds = self._embedding_bounds(model, float(cfg.embedding_step_bound))

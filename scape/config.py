@@ -7,6 +7,7 @@ ignored by the dense optimizers (sparse_avg reads the mask keys and refuses the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from core.optim import DenseOptimizerConfig
 
@@ -80,6 +81,11 @@ class OptimizerConfig(DenseOptimizerConfig):
     # for the same number of steps; in a partition that holds a table and other weights they
     # then take its values, and 1 / k scores the table in the rest's units
     embedding_score_scale: float = 1.0
+    # the shared denominator's memory: D^2 is an average of the revealed q^2 with this beta per
+    # step covered (None = betas[1], an EMA over ~20 steps). AdamS's own denominator has no such
+    # memory (sqrt(b2 m^2 + (1 - b2) g^2), this step's numbers), so while the gradients shrink
+    # early in training an EMA's D stays large and the steps small; 0 = D is the last revealed |q|
+    denominator_beta: Optional[float] = None
     # whose norm clips a copy's gradient at grad_clip: rank (each copy by its own norm, so the
     # mean gradient weighs each copy's by 1 / its norm while it is clipped) or shared (every copy
     # by the same factor, grad_clip / the copies' RMS norm: the mean is the mean gradient scaled

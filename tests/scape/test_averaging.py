@@ -92,6 +92,7 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
     bound = cfg.step_bound or (copies / (1 - b2)) ** 0.5  # AdamS's largest step on a copy's batch
     fresh_bound = cfg.fresh_step_bound or bound  # ... where D was exchanged at this step
     own_floor = cfg.own_denominator_floor  # D floored at the copy's own AdamS denominator / (f C)
+    bd = b2 if cfg.denominator_beta is None else cfg.denominator_beta  # D^2's average of q^2, per step
     sums = [torch.zeros_like(x) for _ in range(copies)]
     cut = [torch.zeros_like(x) for _ in range(copies)]  # clamp_excess=send: what the bound cut
     send_cut = cfg.clamp_excess == "send"
@@ -113,17 +114,17 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
             grads.append(sum(members) / group)
         if oracle and t > 1:  # every coordinate's mean momentum after step t - 1 is folded into D
             q = sum(ms) / copies / (1 - b1 ** (t - 1))
-            second = b2 * second + (1 - b2) * q ** 2
-            denom = (second / (1 - b2 ** t)).sqrt() + eps
+            second = bd * second + (1 - bd) * q ** 2
+            denom = (second / (1 - bd ** t)).sqrt() + eps
             lr_sum[:], last_sent[:] = 0, t
         if t > 1:  # the exchange: average the drifts on the mask (everything while t <= W)
             sel = torch.arange(x.numel()) if t <= dense_until else mask
             if summed:
                 mean_sum = sum(a[sel] for a in sums) / copies
                 q = mean_sum / lr_sum[sel]
-                w = b2 ** (t - last_sent[sel])
+                w = bd ** (t - last_sent[sel])
                 second[sel] = w * second[sel] + (1 - w) * q ** 2
-                d = (second[sel] / (1 - b2 ** t)).sqrt() + eps
+                d = (second[sel] / (1 - bd ** t)).sqrt() + eps
                 x[sel] = x[sel] * torch.where(sel < decay_end, 1 - wd * lr_sum[sel], 1.0) - mean_sum / d
                 lr_sum[sel], last_sent[sel] = 0, t
                 for y, a in zip(ys, sums):
@@ -163,12 +164,12 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
             last[sel] = t
             if shared and not oracle:
                 q = -delta * denom[sel] / lr_sum[sel]
-                w = b2 ** (t - last_sent[sel])
+                w = bd ** (t - last_sent[sel])
                 if revealed:
                     q = sum(m[sel] for m in ms) / copies / (1 - b1 ** (t - 1))
-                    w = b2 ** (t - last_sent[sel]).clamp(max=1 / (1 - b1))
+                    w = bd ** (t - last_sent[sel]).clamp(max=1 / (1 - b1))
                 second[sel] = w * second[sel] + (1 - w) * q ** 2
-                denom[sel] = (second[sel] / (1 - b2 ** t)).sqrt() + eps
+                denom[sel] = (second[sel] / (1 - bd ** t)).sqrt() + eps
                 lr_sum[sel], last_sent[sel] = 0, t
                 if frozen:  # |M| <= c D, as a local step is bounded
                     new_m = torch.maximum(torch.minimum(new_m, bound * denom[sel]), -bound * denom[sel])
@@ -187,7 +188,7 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
                 g *= torch.clamp(max_norm / ((g.norm() if cfg.grad_clip_scope == "rank" else rms) + 1e-6), max=1.0)
         if shared and t == 1:  # the clipped mean gradient starts D and is everyone's gradient
             mean_grad = sum(grads) / copies
-            second, last_sent[:] = (1 - b2) * mean_grad ** 2, 1
+            second, last_sent[:] = (1 - bd) * mean_grad ** 2, 1
             denom = mean_grad.abs() + eps
             grads = [mean_grad.clone() for _ in grads]
             if frozen:
@@ -268,6 +269,11 @@ REFERENCE_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.8, dense_warmup_steps=3
                      dict(sparsity=0.8, mask_rule="cyclic", exchange="momentum", sparsity_warmup_steps=4),
                      dict(sparsity=0.9, exchange="momentum", dense_warmup_steps=3),
                      dict(sparsity=0.8, mask_rule="cyclic", normalizer="oracle", sparsity_warmup_steps=4),
+                     # D's own memory, 0.5 and 0.2 per step covered (at 0, D = the last revealed |q|,
+                     # the drift's cancellation rounding reaches a few ulps of a step within 8 steps)
+                     dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", denominator_beta=0.5,
+                          sparsity_warmup_steps=4),
+                     dict(sparsity=0.9, normalizer="shared", denominator_beta=0.2, dense_warmup_steps=2),
                      dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", average_momentum=True),
                      dict(sparsity=0.9, normalizer="revealed", average_momentum=True, dense_warmup_steps=2),
                      dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", local_momentum="consensus",
@@ -588,6 +594,9 @@ RESUME_CONFIGS = [(dict(sparsity=0.9), 4),
                   (dict(sparsity=0.7, mask_rule="cyclic", normalizer="shared", density_lr_power=0.5,
                         min_sparsity=0.72, value_bits=2, value_dtype="bf16", local_step_scale=0.5,
                         quantized_collective="compressed_all_reduce", requantization_error="owner"), 4),
+                  # D with its own memory
+                  (dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", denominator_beta=0.5,
+                        value_dtype="bf16"), 3),
                   # what the bound cut and is not yet sent
                   (dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", step_bound=0.5,
                         clamp_excess="send", value_dtype="bf16"), 3)]
@@ -1066,6 +1075,18 @@ def test_settings_are_checked_and_the_builders_dispatch():
         SparseAverageSynchronizer(TokenModel(), avg_config(normalizer="shared", embedding_lr_scale=0))
     with pytest.raises(ValueError, match="embedding_lr_scale=2 scales the lr on the embedding tables, but the model"):
         SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared", embedding_lr_scale=2))
+    with pytest.raises(ValueError, match=r"denominator_beta=1.0 must lie in \[0, 1\)"):
+        SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared", denominator_beta=1.0))
+    with pytest.raises(ValueError, match="denominator_beta=0.5 sets the shared denominator's memory; it needs"):
+        SparseAverageSynchronizer(make_model(), avg_config(denominator_beta=0.5))
+    with pytest.raises(ValueError, match="denominator_beta=0.5 is a sparse_avg option; optimizer=scape"):
+        scape.build_synchronizer(make_model(), avg_config(name="scape", denominator_beta=0.5))
+    with pytest.raises(ValueError, match="embedding_score_scale=0 must be a number > 0"):
+        SparseAverageSynchronizer(make_model(), avg_config(embedding_score_scale=0))
+    with pytest.raises(ValueError, match="embedding_score_scale=0.5 scales the drifts' top-k score; optimizer.mask_rule=cyclic"):
+        SparseAverageSynchronizer(TokenModel(), avg_config(mask_rule="cyclic", embedding_score_scale=0.5))
+    with pytest.raises(ValueError, match="embedding_score_scale=0.5 scales the score on the embedding tables, but"):
+        SparseAverageSynchronizer(make_model(), avg_config(embedding_score_scale=0.5))
     with pytest.raises(ValueError, match="embedding_local_step_scale=0.5 scales the local steps over a shared"):
         SparseAverageSynchronizer(TokenModel(), avg_config(embedding_local_step_scale=0.5))
     with pytest.raises(ValueError, match=r"embedding_local_step_scale=1.5 must lie in \[0, 1\]"):
