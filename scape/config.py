@@ -82,9 +82,10 @@ class OptimizerConfig(DenseOptimizerConfig):
     # then take its values, and 1 / k scores the table in the rest's units
     embedding_score_scale: float = 1.0
     # the shared denominator's memory: D^2 is an average of the revealed q^2 with this beta per
-    # step covered (None = betas[1], an EMA over ~20 steps). AdamS's own denominator has no such
-    # memory (sqrt(b2 m^2 + (1 - b2) g^2), this step's numbers), so while the gradients shrink
-    # early in training an EMA's D stays large and the steps small; 0 = D is the last revealed |q|
+    # step covered (None = betas[1], an EMA over ~20 steps; 0 = D is the last revealed |q|).
+    # AdamS's own denominator has no memory (sqrt(b2 m^2 + (1 - b2) g^2) of this step); a shorter
+    # one lets D follow a momentum that decays, a longer one averages more samples of q. betas[1]
+    # measured best of 0.5 to 0.98 (docs/RESULTS.md)
     denominator_beta: Optional[float] = None
     # whose norm clips a copy's gradient at grad_clip: rank (each copy by its own norm, so the
     # mean gradient weighs each copy's by 1 / its norm while it is clipped) or shared (every copy
