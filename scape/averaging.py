@@ -222,8 +222,9 @@ class _SharedNormalizer:
                  bound: float = 0.0, copies: int = 1, fresh_bound: float = 0.0,
                  own_floor: float = 0.0, memory: Optional[float] = None) -> None:
         self.beta, self.eps = beta, eps
-        # denominator_beta: D^2's average of q^2 per step covered (beta, AdamS's b2, if None)
-        self.memory = beta if memory is None else memory
+        # denominator_beta: D^2's average of q^2 per step covered (beta, AdamS's b2, if None); a
+        # tensor where the embedding tables have their own (embedding_denominator_beta)
+        self.memory: Any = float(beta if memory is None else memory)
         # normalizer=revealed: one revealed momentum is one sample, worth at most the momentum's
         # correlation time 1 / (1 - b1) of steps however long the interval was
         self.max_covered = max_covered
@@ -244,7 +245,8 @@ class _SharedNormalizer:
 
     def start(self, mean_grad: torch.Tensor) -> None:
         """Step 1: the (clipped) mean gradient is the first q."""
-        self.second.copy_(mean_grad.square().mul_(1.0 - self.memory))
+        self.second.copy_(mean_grad.square().mul_(1.0 - self.memory if isinstance(self.memory, float)
+                                                  else torch.sub(1.0, self.memory)))
         self.last.fill_(1)
         torch.add(mean_grad.abs(), self.eps, out=self.denominator)
 
@@ -254,10 +256,12 @@ class _SharedNormalizer:
         covered = (step - _take(self.last, mask)).float()
         if self.max_covered is not None:
             covered.clamp_(max=self.max_covered)
-        weight = torch.pow(torch.full_like(second, self.memory), covered)
+        memory = (torch.full_like(second, self.memory) if not isinstance(self.memory, torch.Tensor)
+                  else _take(self.memory, mask))
+        weight = torch.pow(memory, covered)
         folded = second * weight + q.square() * (1.0 - weight)
         second = torch.where(lr_sum > 0, folded, second)  # no lr since: nothing was revealed
-        return second, (second / (1.0 - self.memory ** step)).sqrt_().add_(self.eps)
+        return second, (second / (1.0 - memory.pow(step))).sqrt_().add_(self.eps)
 
     def commit(self, second: torch.Tensor, denom: torch.Tensor, mask: Optional[torch.Tensor], step: int) -> None:
         if mask is None:
@@ -464,6 +468,10 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             own = slice(self.layout.owned_start, self.layout.owned_start + self.layout.owned_numel)
             self.score_scales = self._per_table(model, 1.0, float(cfg.embedding_score_scale),
                                                 "embedding_score_scale", "scales the score on", 1)[own].clone()
+        if cfg.embedding_denominator_beta is not None and self.normalizer is not None:
+            self.normalizer.memory = self._per_table(model, float(self.normalizer.memory),
+                                                     float(cfg.embedding_denominator_beta),
+                                                     "embedding_denominator_beta", "sets D's memory on", "null")
         if cfg.embedding_lr_scale != 1 and self.normalizer is not None:
             self.normalizer.lr_scales = self._per_table(model, 1.0, float(cfg.embedding_lr_scale),
                                                         "embedding_lr_scale", "scales the lr on", 1)
@@ -485,13 +493,13 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
                                "bounds the steps on", 0)
 
     def _per_table(self, model: torch.nn.Module, elsewhere: float, on_tables: float, key: str, does: str,
-                   off: float) -> torch.Tensor:
+                   off: Any) -> torch.Tensor:
         """A value per flat coordinate: ``on_tables`` on the weights of the model's
         ``torch.nn.Embedding`` tables (a tied output head shares them), ``elsewhere`` elsewhere."""
         tables = embedding_weight_ids(model)
         if not tables:
             raise ValueError(f"optimizer.{key}={on_tables:g} {does} the embedding tables, but the model has "
-                             f"no torch.nn.Embedding: leave it {off:g}")
+                             f"no torch.nn.Embedding: leave it {off if isinstance(off, str) else format(off, 'g')}")
         values = torch.full_like(self.consensus, elsewhere)
         for param, offset in zip(self.flat.params, self.flat.offsets):
             if id(param) in tables:

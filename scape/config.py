@@ -87,6 +87,10 @@ class OptimizerConfig(DenseOptimizerConfig):
     # one lets D follow a momentum that decays, a longer one averages more samples of q. betas[1]
     # measured best of 0.5 to 0.98 (docs/RESULTS.md)
     denominator_beta: Optional[float] = None
+    # denominator_beta on the embedding tables' coordinates (None = denominator_beta): a row whose
+    # token stopped appearing keeps moving under AdamS while its momentum decays; with this beta
+    # near b1^2 D^2 decays with the momentum's square there
+    embedding_denominator_beta: Optional[float] = None
     # whose norm clips a copy's gradient at grad_clip: rank (each copy by its own norm, so the
     # mean gradient weighs each copy's by 1 / its norm while it is clipped) or shared (every copy
     # by the same factor, grad_clip / the copies' RMS norm: the mean is the mean gradient scaled

@@ -52,7 +52,7 @@ SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule", "normalizer",
                         "local_momentum", "density_lr_power", "min_sparsity",
                         "ranks_per_copy", "value_bits", "quantized_collective", "requantization_error",
                         "local_step_scale", "local_step_scale_power", "embedding_local_step_scale",
-                        "embedding_score_scale", "denominator_beta",
+                        "embedding_score_scale", "denominator_beta", "embedding_denominator_beta",
                         "grad_clip_scope")
 LOCAL_MOMENTA = ("own", "consensus")
 MASK_RULES = ("drift", "deviation", "random", "cyclic")
@@ -78,6 +78,18 @@ def _needs_shared_steps(cfg: OptimizerConfig, setting: str, does: str) -> None:
     if cfg.normalizer == "local" or cfg.exchange != "drift":
         raise ValueError(f"optimizer.{setting} {does}; it needs optimizer.normalizer=shared, revealed or oracle "
                          f"and optimizer.exchange=drift")
+
+
+def _check_memory(cfg: OptimizerConfig, key: str) -> None:
+    memory = getattr(cfg, key)
+    if memory is None:
+        return
+    if not (isinstance(memory, (int, float)) and 0 <= memory < 1):
+        raise ValueError(f"optimizer.{key}={memory!r} must lie in [0, 1) (the shared denominator's average "
+                         f"of q^2 per step covered; null = {'betas[1]' if key == 'denominator_beta' else 'denominator_beta'})")
+    if cfg.normalizer == "local" and cfg.exchange == "drift":
+        raise ValueError(f"optimizer.{key}={memory} sets the shared denominator's memory; it needs "
+                         f"optimizer.normalizer=shared, revealed or oracle (or exchange=momentum)")
 
 
 def validate_config(cfg: OptimizerConfig) -> None:
@@ -211,14 +223,8 @@ def validate_config(cfg: OptimizerConfig) -> None:
     if table:
         _needs_shared_steps(cfg, f"embedding_local_step_scale={table}", "scales the local steps over a shared "
                             "denominator on the embedding tables")
-    memory = cfg.denominator_beta
-    if memory is not None:
-        if not (isinstance(memory, (int, float)) and 0 <= memory < 1):
-            raise ValueError(f"optimizer.denominator_beta={memory!r} must lie in [0, 1) (the shared "
-                             f"denominator's average of q^2 per step covered; null = betas[1])")
-        if cfg.normalizer == "local" and cfg.exchange == "drift":
-            raise ValueError(f"optimizer.denominator_beta={memory} sets the shared denominator's memory; it needs "
-                             f"optimizer.normalizer=shared, revealed or oracle (or exchange=momentum)")
+    for key in ("denominator_beta", "embedding_denominator_beta"):
+        _check_memory(cfg, key)
     score_scale = cfg.embedding_score_scale
     if not (isinstance(score_scale, (int, float)) and math.isfinite(score_scale) and score_scale > 0):
         raise ValueError(f"optimizer.embedding_score_scale={score_scale!r} must be a number > 0 (the top-k score "

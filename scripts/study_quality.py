@@ -190,6 +190,8 @@ _PARTS = {
     "esc": (("optimizer.embedding_score_scale={n}",), "the table's top-k score x {n}"),
     # sparse_avg, shared D: D^2 averages q^2 with beta {n} per step covered (not betas[1])
     "dbeta": (("optimizer.denominator_beta={n}",), "D's beta {n}"),
+    # sparse_avg, shared D: D's beta {n} on the embedding table only
+    "edbeta": (("optimizer.embedding_denominator_beta={n}",), "D's beta {n} on the table"),
     "ownfl": (("optimizer.own_denominator_floor={n}",), "D floored at the copy's AdamS denominator / ({n} copies)"),
     "xsend": (("optimizer.clamp_excess=send",), "what the bound cuts sent with the drift"),
     # sparse_avg, a decomposition tool: D from every coordinate's mean momentum every step (dense bytes)

@@ -861,6 +861,40 @@ def test_the_tables_top_k_score_is_scaled():
     run_distributed(_the_tables_score_is_scaled, world_size=2)
 
 
+def test_the_tables_denominator_has_its_own_memory():
+    """embedding_denominator_beta b_e: D^2 folds q^2 with b_e^S on the table's coordinates and
+    b^S elsewhere (S the steps covered), each bias-corrected by its own beta."""
+    from scape.averaging import _SharedNormalizer
+
+    sync = SparseAverageSynchronizer(TokenModel(), avg_config(normalizer="shared", denominator_beta=0.9,
+                                                              embedding_denominator_beta=0.3))
+    memory = sync.normalizer.memory
+    at = sync.flat.offsets[[id(p) for p in sync.flat.params].index(id(sync.model.tokens.weight))]
+    table = torch.zeros_like(memory, dtype=torch.bool)
+    table[at:at + sync.model.tokens.weight.numel()] = True
+    assert torch.equal(memory, torch.where(table, 0.3, 0.9))
+    like = torch.zeros(6)
+    normalizer = _SharedNormalizer(like, 0.95, 1e-8, memory=0.9)
+    normalizer.memory = torch.tensor([0.3, 0.3, 0.3, 0.9, 0.9, 0.9])
+    normalizer.start(torch.tensor([1.0, -2.0, 3.0, 1.0, -2.0, 3.0]))
+    normalizer.lr_sum.fill_(0.1)
+    mask = torch.tensor([0, 2, 3, 5])
+    q = torch.tensor([0.5, 1.5, 0.5, 1.5])
+    second, denom = normalizer.fold(q, mask, step=3)  # 2 steps covered since step 1
+    b = torch.tensor([0.3, 0.3, 0.9, 0.9])
+    start = (1 - b) * torch.tensor([1.0, 3.0, 1.0, 3.0]) ** 2
+    expected = b ** 2 * start + (1 - b ** 2) * q ** 2
+    torch.testing.assert_close(second, expected)
+    torch.testing.assert_close(denom, (expected / (1 - b ** 3)).sqrt() + 1e-8)
+    with pytest.raises(ValueError, match="embedding_denominator_beta=0.5 sets D's memory on the embedding tables, "
+                                         "but the model has no torch.nn.Embedding: leave it null"):
+        SparseAverageSynchronizer(make_model(), avg_config(normalizer="shared", embedding_denominator_beta=0.5))
+    with pytest.raises(ValueError, match=r"embedding_denominator_beta=-0.1 must lie in \[0, 1\)"):
+        SparseAverageSynchronizer(TokenModel(), avg_config(normalizer="shared", embedding_denominator_beta=-0.1))
+    with pytest.raises(ValueError, match="embedding_denominator_beta=0.5 sets the shared denominator's memory"):
+        SparseAverageSynchronizer(TokenModel(), avg_config(embedding_denominator_beta=0.5))
+
+
 def test_the_embedding_lr_scale_trains_the_table_as_in_smaller_units():
     run_distributed(_lr_scale_is_a_table_in_other_units, world_size=2)
 
