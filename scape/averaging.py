@@ -261,7 +261,10 @@ class _SharedNormalizer:
         weight = torch.pow(memory, covered)
         folded = second * weight + q.square() * (1.0 - weight)
         second = torch.where(lr_sum > 0, folded, second)  # no lr since: nothing was revealed
-        return second, (second / (1.0 - memory.pow(step))).sqrt_().add_(self.eps)
+        # a scalar memory's bias correction in Python's double, as before the per-table memory
+        correction = (1.0 - self.memory ** step if isinstance(self.memory, float)
+                      else torch.sub(1.0, memory.pow(step)))
+        return second, (second / correction).sqrt_().add_(self.eps)
 
     def commit(self, second: torch.Tensor, denom: torch.Tensor, mask: Optional[torch.Tensor], step: int) -> None:
         if mask is None:
