@@ -84,12 +84,12 @@ class OptimizerConfig(DenseOptimizerConfig):
     # the shared denominator's memory: D^2 is an average of the revealed q^2 with this beta per
     # step covered (None = betas[1], an EMA over ~20 steps; 0 = D is the last revealed |q|).
     # AdamS's own denominator has no memory (sqrt(b2 m^2 + (1 - b2) g^2) of this step); a shorter
-    # one lets D follow a momentum that decays, a longer one averages more samples of q. betas[1]
-    # measured best of 0.5 to 0.98 (docs/RESULTS.md)
+    # one lets D follow a momentum that decays, a longer one averages more samples of q
+    # (docs/RESULTS.md compares them)
     denominator_beta: Optional[float] = None
     # denominator_beta on the embedding tables' coordinates (None = denominator_beta): a row whose
-    # token stopped appearing keeps moving under AdamS while its momentum decays; with this beta
-    # near b1^2 D^2 decays with the momentum's square there
+    # token stopped appearing keeps moving under AdamS while its momentum decays; a beta below
+    # b2 lets D^2 there fall as fast as the momentum's square (b1^2 a step), so the row keeps moving
     embedding_denominator_beta: Optional[float] = None
     # whose norm clips a copy's gradient at grad_clip: rank (each copy by its own norm, so the
     # mean gradient weighs each copy's by 1 / its norm while it is clipped) or shared (every copy
