@@ -96,7 +96,7 @@ from scape import kernels
 from scape.accounting import VALUE_BYTES, scape_step_bytes
 from scape.config import OptimizerConfig
 from scape.masking import MaskedSynchronizer
-from scape.options import as_dataclass, refuse_foreign_keys, validate_config
+from scape.options import as_dataclass, embedding_denominator_beta, refuse_foreign_keys, validate_config
 from scape.quantize import dequantize, packed_nbytes, quantize
 
 NAME = "sparse_avg"
@@ -471,13 +471,15 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             own = slice(self.layout.owned_start, self.layout.owned_start + self.layout.owned_numel)
             self.score_scales = self._per_table(model, 1.0, float(cfg.embedding_score_scale),
                                                 "embedding_score_scale", "scales the score on", 1)[own].clone()
-        if cfg.embedding_denominator_beta is not None and self.normalizer is not None:
-            self.normalizer.memory = self._per_table(model, float(self.normalizer.memory),
-                                                     float(cfg.embedding_denominator_beta),
-                                                     "embedding_denominator_beta", "sets D's memory on", "null")
         if cfg.embedding_lr_scale != 1 and self.normalizer is not None:
             self.normalizer.lr_scales = self._per_table(model, 1.0, float(cfg.embedding_lr_scale),
                                                         "embedding_lr_scale", "scales the lr on", 1)
+        table_memory = embedding_denominator_beta(cfg)
+        if table_memory is not None and self.normalizer is not None:
+            key = ("embedding_denominator_beta" if cfg.embedding_denominator_beta is not None
+                   else "scaled_embedding_denominator_beta")
+            self.normalizer.memory = self._per_table(model, float(self.normalizer.memory), table_memory,
+                                                     key, "sets D's memory on", "null")
         # exchange=momentum: A_i, this rank's lr-weighted sum of its bias-corrected momentum
         # since each coordinate's last exchange (what the ranks average instead of the drift)
         self.accumulated = torch.zeros_like(self.consensus) if momentum_exchange else None

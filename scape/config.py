@@ -91,6 +91,12 @@ class OptimizerConfig(DenseOptimizerConfig):
     # token stopped appearing keeps moving under AdamS while its momentum decays; a beta below
     # b2 lets D^2 there fall as fast as the momentum's square (b1^2 a step), so the row keeps moving
     embedding_denominator_beta: Optional[float] = None
+    # the tables' memory where they train faster than the lr (embedding_lr_scale > 1) and
+    # embedding_denominator_beta is None; None = denominator_beta there too. With the table at
+    # k lr such a row moves k times as far before it stops, and a short memory stops it sooner;
+    # at k = 1 the same memory is worse, so the shipped default (conf/optimizer/sparse_avg.yaml)
+    # follows the table's lr (docs/RESULTS.md, "The table's memory becomes the default")
+    scaled_embedding_denominator_beta: Optional[float] = None
     # whose norm clips a copy's gradient at grad_clip: rank (each copy by its own norm, so the
     # mean gradient weighs each copy's by 1 / its norm while it is clipped) or shared (every copy
     # by the same factor, grad_clip / the copies' RMS norm: the mean is the mean gradient scaled

@@ -53,7 +53,7 @@ SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule", "normalizer",
                         "ranks_per_copy", "value_bits", "quantized_collective", "requantization_error",
                         "local_step_scale", "local_step_scale_power", "embedding_local_step_scale",
                         "embedding_score_scale", "denominator_beta", "embedding_denominator_beta",
-                        "grad_clip_scope")
+                        "scaled_embedding_denominator_beta", "grad_clip_scope")
 LOCAL_MOMENTA = ("own", "consensus")
 MASK_RULES = ("drift", "deviation", "random", "cyclic")
 NORMALIZERS = ("local", "shared", "revealed", "oracle")
@@ -80,13 +80,26 @@ def _needs_shared_steps(cfg: OptimizerConfig, setting: str, does: str) -> None:
                          f"and optimizer.exchange=drift")
 
 
+def embedding_denominator_beta(cfg: OptimizerConfig):
+    """D's memory on the embedding tables: ``embedding_denominator_beta``; where that is None and
+    the tables train faster than the lr (``embedding_lr_scale`` > 1),
+    ``scaled_embedding_denominator_beta``; None = ``denominator_beta`` (the rest's memory)."""
+    if cfg.embedding_denominator_beta is not None:
+        return float(cfg.embedding_denominator_beta)
+    if cfg.scaled_embedding_denominator_beta is not None and embedding_lr_scale(cfg) > 1:
+        return float(cfg.scaled_embedding_denominator_beta)
+    return None
+
+
 def _check_memory(cfg: OptimizerConfig, key: str) -> None:
     memory = getattr(cfg, key)
     if memory is None:
         return
-    if not (isinstance(memory, (int, float)) and 0 <= memory < 1):
+    if not (isinstance(memory, (int, float)) and not isinstance(memory, bool) and 0 <= memory < 1):
         raise ValueError(f"optimizer.{key}={memory!r} must lie in [0, 1) (the shared denominator's average "
                          f"of q^2 per step covered; null = {'betas[1]' if key == 'denominator_beta' else 'denominator_beta'})")
+    if key == "scaled_embedding_denominator_beta":
+        return  # read only with embedding_lr_scale > 1, which needs a shared denominator itself
     if cfg.normalizer == "local" and cfg.exchange == "drift":
         raise ValueError(f"optimizer.{key}={memory} sets the shared denominator's memory; it needs "
                          f"optimizer.normalizer=shared, revealed or oracle (or exchange=momentum)")
@@ -223,7 +236,7 @@ def validate_config(cfg: OptimizerConfig) -> None:
     if table:
         _needs_shared_steps(cfg, f"embedding_local_step_scale={table}", "scales the local steps over a shared "
                             "denominator on the embedding tables")
-    for key in ("denominator_beta", "embedding_denominator_beta"):
+    for key in ("denominator_beta", "embedding_denominator_beta", "scaled_embedding_denominator_beta"):
         _check_memory(cfg, key)
     score_scale = cfg.embedding_score_scale
     if not (isinstance(score_scale, (int, float)) and math.isfinite(score_scale) and score_scale > 0):
