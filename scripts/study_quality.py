@@ -102,14 +102,17 @@ ARMS: Dict[str, Arm] = {arm.name: arm for arm in [
 # seventeenth sessions), sma99r sma99o with a density that follows the square root of the lr (the
 # default of the eighteenth session), sma99l sma99r with the copies taking min(1, sqrt(4 / copies))
 # of their local step (the default of the nineteenth session), sma99m optimizer=sparse_avg as it
-# ships (sma99l with the milder slope (4 / copies)^0.37).
+# ships until the twenty-sixth session (sma99l with the milder slope (4 / copies)^0.37), sma99e
+# optimizer=sparse_avg as it ships (sma99m with the table's memory 0.2 where its lr is raised).
 # Every sma arm before sma99c keeps the bound it was measured with, AdamS's largest step
 # 1 / sqrt(1 - b2) on any copy count.
 _BOUND_BEFORE = ("optimizer.step_bound=4.47213595499958",)
 # Every sma arm before sma99l takes the whole local step on any copy count, as it was measured.
 _WHOLE_STEP = ("optimizer.local_step_scale=1",)
+# Every sma arm before sma99e keeps the rest's memory on the table at any table lr (elrX parts).
+_NO_TABLE_MEMORY = ("optimizer.scaled_embedding_denominator_beta=null",)
 _BF16_DRIFTS = ("optimizer.value_bits=0", "optimizer.quantized_collective=all_gather",
-                "optimizer.sparsity_warmup_steps=100", *_BOUND_BEFORE, *_WHOLE_STEP)
+                "optimizer.sparsity_warmup_steps=100", *_BOUND_BEFORE, *_WHOLE_STEP, *_NO_TABLE_MEMORY)
 for _pct, _sparsity in (("90", "0.9"), ("99", "0.99")):
     ARMS[f"scape{_pct}_spec"] = Arm(f"scape{_pct}_spec", f"SCAPE-{_pct}, the spec's rule",
                                     ("optimizer=scape_spec", f"optimizer.sparsity={_sparsity}"),
@@ -122,39 +125,44 @@ ARMS["sma0"] = Arm("sma0", "sparse model averaging, density 1",
                    ("optimizer=sparse_avg", "optimizer.sparsity=0.0", *_BF16_DRIFTS),
                    "every drift averaged every step: what the local steps + averaging cost without sparsity", False)
 ARMS["sma99q"] = Arm("sma99q", "sparse model averaging at 99%'s bytes, 2-bit drifts",
-                     ("optimizer=sparse_avg", "optimizer.sparsity=0.929", *_BOUND_BEFORE, *_WHOLE_STEP),
+                     ("optimizer=sparse_avg", "optimizer.sparsity=0.929", *_BOUND_BEFORE, *_WHOLE_STEP, *_NO_TABLE_MEMORY),
                      "optimizer=sparse_avg's defaults until 2026-12-02 07:40 UTC: 2-bit drifts on 7.1% of the "
                      "coordinates a step, a compressed all-reduce, the bytes of bf16 drifts at 99%", False)
 ARMS["sma99s"] = Arm("sma99s", "sparse model averaging at SCAPE-99's bytes, 2-bit drifts",
-                     ("optimizer=sparse_avg", "optimizer.sparsity=0.787", *_BOUND_BEFORE, *_WHOLE_STEP),
+                     ("optimizer=sparse_avg", "optimizer.sparsity=0.787", *_BOUND_BEFORE, *_WHOLE_STEP, *_NO_TABLE_MEMORY),
                      "optimizer=sparse_avg's defaults from 2026-12-02 07:40 UTC to the bound that follows the "
                      "copies: 2-bit drifts on 21% of the coordinates a step, a compressed all-reduce, SCAPE-99's "
                      "bytes per step, local steps bounded at AdamS's largest step", False)
 ARMS["sma99c"] = Arm("sma99c", "sparse model averaging at SCAPE-99's bytes, bound by the copies",
-                     ("optimizer=sparse_avg", "optimizer.requantization_error=copy", *_WHOLE_STEP),
+                     ("optimizer=sparse_avg", "optimizer.requantization_error=copy", *_WHOLE_STEP, *_NO_TABLE_MEMORY),
                      "optimizer=sparse_avg's defaults from 2026-12-02 21:00 UTC to 2026-12-04 01:30 UTC: sma99s "
                      "with the local steps bounded at sqrt(copies / (1 - b2)), AdamS's largest step on one "
                      "copy's share of the batch; each owner's re-quantization error goes into its copy", False)
 ARMS["sma99o"] = Arm("sma99o", "sparse model averaging at SCAPE-99's bytes, owner-side error feedback",
                      ("optimizer=sparse_avg", "optimizer.sparsity=0.787", "optimizer.density_lr_power=0",
-                      "optimizer.min_sparsity=0", *_WHOLE_STEP),
+                      "optimizer.min_sparsity=0", *_WHOLE_STEP, *_NO_TABLE_MEMORY),
                      "optimizer=sparse_avg's defaults from 2026-12-04 01:30 UTC to the eighteenth session: "
                      "sma99c with each chunk owner keeping the re-quantization error of its mean and adding "
                      "it to that chunk's next mean; a constant density 0.213", False)
 ARMS["sma99r"] = Arm("sma99r", "sparse model averaging at SCAPE-99's bytes over the run, density ~ sqrt(lr)",
-                     ("optimizer=sparse_avg", *_WHOLE_STEP),
+                     ("optimizer=sparse_avg", *_WHOLE_STEP, *_NO_TABLE_MEMORY),
                      "optimizer=sparse_avg's defaults in the eighteenth session: sma99o with the density "
                      "min(0.30 sqrt(lr_t / lr), 0.28), the bytes of sma99o over the run, at most 50.7x below "
                      "dense a step", False)
 ARMS["sma99l"] = Arm("sma99l", "sparse model averaging, density ~ sqrt(lr), copies take sqrt(4 / C) of their step",
-                     ("optimizer=sparse_avg", "optimizer.local_step_scale_power=0.5"),
+                     ("optimizer=sparse_avg", "optimizer.local_step_scale_power=0.5", *_NO_TABLE_MEMORY),
                      "optimizer=sparse_avg's defaults in the nineteenth session: sma99r with each copy taking "
                      "min(1, sqrt(4 / copies)) of its local step and the exchange dividing the mean drift by it "
                      "(the whole step up to 4 copies, half on 16)", False)
 ARMS["sma99m"] = Arm("sma99m", "sparse model averaging, density ~ sqrt(lr), copies take (4 / C)^0.37 of their step",
+                     ("optimizer=sparse_avg", *_NO_TABLE_MEMORY),
+                     "optimizer=sparse_avg's defaults from the twentieth to the twenty-sixth session: sma99l "
+                     "with the milder slope min(1, (4 / copies)^0.37) (the whole step up to 4 copies, 0.77 on "
+                     "8, 0.6 on 16)", False)
+ARMS["sma99e"] = Arm("sma99e", "sparse model averaging, density ~ sqrt(lr), the table's memory follows its lr",
                      ("optimizer=sparse_avg",),
-                     "optimizer=sparse_avg as it ships: sma99l with the milder slope min(1, (4 / copies)^0.37) "
-                     "(the whole step up to 4 copies, 0.77 on 8, 0.6 on 16)", False)
+                     "optimizer=sparse_avg as it ships: sma99m with the shared denominator's memory 0.2 on the "
+                     "embedding table where the table trains faster than the lr (elrX), 0.95 elsewhere", False)
 
 
 # Composed SCAPE arms, named by their recipe: scape99+post+cap32+warm20 (see compose_arm).
@@ -235,7 +243,7 @@ _PART_NAME = re.compile(r"([a-z]+?)((?:\d+\.?\d*|\.\d+)(?:e-?\d+)?)?")
 def compose_arm(name: str) -> Optional[Arm]:
     """An arm named by its recipe, ``base+part+part...``: base scape90 / scape99 (the spec's rule at
     that sparsity), sma90 / sma99 (sparse model averaging, bf16 drifts), sma99q / sma99s (2-bit drifts at
-    bf16-at-99%'s / SCAPE-99's bytes, the bound 1 / sqrt(1 - b2)), sma99c (with the bound by the copies), sma99o (the owners keep the re-quantization error), sma99r (the density following sqrt(lr)), sma99l (the copies taking sqrt(4 / C) of their step), sma99m (optimizer=sparse_avg's defaults) or adams / adamw; parts: post, capN /
+    bf16-at-99%'s / SCAPE-99's bytes, the bound 1 / sqrt(1 - b2)), sma99c (with the bound by the copies), sma99o (the owners keep the re-quantization error), sma99r (the density following sqrt(lr)), sma99l (the copies taking sqrt(4 / C) of their step), sma99m ((4 / C)^0.37), sma99e (optimizer=sparse_avg's defaults: the table's memory follows its lr) or adams / adamw; parts: post, capN /
     lrsumN (catch-up capped at N; 0 = 1 / density), warmN, clip, noclip, gcN (clipped at N), lrX, and for sparse
     averaging omX / olrX (outer Nesterov momentum / outer lr), dev / rand / cyc / topk (mask rule), shnorm / rvnorm / lnorm (one shared
     denominator from the drift / from momenta sent beside it / each rank's own), ornorm (D from every
@@ -250,7 +258,7 @@ def compose_arm(name: str) -> Optional[Arm]:
     elif base in ("sma90", "sma99"):
         overrides, label = (["optimizer=sparse_avg", f"optimizer.sparsity=0.{base[-2:]}", *_BF16_DRIFTS],
                             f"sparse avg {base[-2:]}%")
-    elif base in ("sma99q", "sma99s", "sma99c", "sma99o", "sma99r", "sma99l", "sma99m"):
+    elif base in ("sma99q", "sma99s", "sma99c", "sma99o", "sma99r", "sma99l", "sma99m", "sma99e"):
         overrides, label = list(ARMS[base].overrides), ARMS[base].label
     elif base in ("adams", "adamw"):
         overrides, label = [f"optimizer={base}"], {"adams": "AdamS", "adamw": "AdamW"}[base]
@@ -555,6 +563,10 @@ def markdown_table(results: Dict[str, dict], targets: List[dict], settings: dict
 PRESETS = {
     "fair": {"arms": "adams,scape90,scape99,sma90,sma99",
              "lrs": "1e-3,2e-3,3e-3,6e-3", "seeds": "1337,1"},
+    # the same protocol with the embedding table at 16 lr, each arm's best multiple: AdamS, sparse
+    # averaging as it ships (SCAPE-99's bytes) and at density 1 with its 2-bit codes (a 90% method)
+    "fair_table": {"arms": "adams+elr16,sma99e+elr16,sma99e+sp0+minsp0+lrpow0+elr16",
+                   "lrs": "1e-3,2e-3,3e-3,4e-3", "seeds": "1337,1"},
 }
 
 
@@ -739,7 +751,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per arm")
     parser.add_argument("--rerun", action="store_true", help="train arms again even if a completed run matches")
     parser.add_argument("--report-only", action="store_true", help="only rebuild table, JSON and plots")
-    parser.add_argument("--preset", choices=sorted(PRESETS), help="fair: the issue's protocol (arms, lrs, seeds)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="fair: the issue's protocol (arms, lrs, seeds); fair_table: "
+                        "the same with the embedding table at 16 lr")
     parser.add_argument("--lrs", default="", help="comma-separated learning rates: sweep each arm over them "
                         "(the fair protocol); empty = every arm at lr 3e-3")
     parser.add_argument("--seeds", default="", help="comma-separated seeds for a sweep (default: --seed)")

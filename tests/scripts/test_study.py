@@ -92,10 +92,17 @@ def test_composed_arms_follow_their_recipe_and_bad_names_are_refused(monkeypatch
     for name in ("sma90", "sma99", "sma0", "sma99q", "sma99s", "sma99s+q2"):
         arm = study.ARMS.get(name) or study.compose_arm(name)
         assert float(dict(i.split("=", 1) for i in arm.overrides)["optimizer.step_bound"]) == pytest.approx(old_bound), name
-    assert study.ARMS["sma99m"].overrides == ("optimizer=sparse_avg",)
+    assert study.ARMS["sma99e"].overrides == ("optimizer=sparse_avg",)
+    assert study.compose_arm("sma99e+lr2e-3").overrides == ("optimizer=sparse_avg", "optimizer.lr=2e-3")
+    # every arm before it keeps the rest's memory on the table at any table lr, as measured
+    for name in ("sma90", "sma99", "sma0", "sma99q", "sma99s", "sma99c", "sma99o", "sma99r", "sma99l", "sma99m",
+                 "sma99m+elr16", "sma99+elr16"):
+        arm = study.ARMS.get(name) or study.compose_arm(name)
+        assert dict(i.split("=", 1) for i in arm.overrides)["optimizer.scaled_embedding_denominator_beta"] == "null"
+    assert study.ARMS["sma99m"].overrides == ("optimizer=sparse_avg", "optimizer.scaled_embedding_denominator_beta=null")
     # sma99l keeps the nineteenth session's slope, sqrt(4 / copies)
-    assert study.ARMS["sma99l"].overrides == ("optimizer=sparse_avg", "optimizer.local_step_scale_power=0.5")
-    assert study.compose_arm("sma99m+lr2e-3").overrides == ("optimizer=sparse_avg", "optimizer.lr=2e-3")
+    assert study.ARMS["sma99l"].overrides == ("optimizer=sparse_avg", "optimizer.local_step_scale_power=0.5",
+                                              "optimizer.scaled_embedding_denominator_beta=null")
     slope = dict(i.split("=", 1) for i in study.compose_arm("sma99r+lsp0.5").overrides)
     assert (slope["optimizer.local_step_scale"], slope["optimizer.local_step_scale_power"]) == ("0", "0.5")
     # every arm before it takes the whole local step on any copy count, as measured; a part overrides
@@ -117,7 +124,8 @@ def test_composed_arms_follow_their_recipe_and_bad_names_are_refused(monkeypatch
     assert (before["optimizer.sparsity"], before["optimizer.density_lr_power"]) == ("0.787", "0")
     # the default before keeps the owners' re-quantization error in their copies
     assert study.ARMS["sma99c"].overrides == ("optimizer=sparse_avg", "optimizer.requantization_error=copy",
-                                              "optimizer.local_step_scale=1")
+                                              "optimizer.local_step_scale=1",
+                                              "optimizer.scaled_embedding_denominator_beta=null")
     bounded = dict(i.split("=", 1) for i in study.compose_arm("sma99s+bound13").overrides)
     assert bounded["optimizer.step_bound"] == "13" and bounded["optimizer.sparsity"] == "0.787"
     assert "optimizer.step_bound" not in dict(i.split("=", 1) for i in study.compose_arm("sma99c+sp0.9").overrides)
@@ -172,6 +180,18 @@ def test_sweep_extends_a_winning_grid_end_and_runs_other_seeds_at_the_best_lr(tm
     assert gaps["scape99"]["shared_gap"] > 1.0  # at AdamS's lr SCAPE is far from its own best
     table = study.sweep_table(arms, gaps, args)
     assert "**4.0100**" in table and "| 0.008 |" in table
+
+
+def test_presets_set_arms_lrs_and_seeds_and_every_arm_composes():
+    for name, preset in study.PRESETS.items():
+        args = study.parse_args(["--preset", name])
+        assert args.lrs == [float(x) for x in preset["lrs"].split(",")] and args.seeds == [1337, 1], name
+        for arm in preset["arms"].split(","):
+            assert arm in study.ARMS or study.compose_arm(arm) is not None, (name, arm)
+    table = study.parse_args(["--preset", "fair_table", "--arms", "adams+elr16", "--lrs", "2e-3"])
+    assert table.lrs == [2e-3] and table.seeds == [1337, 1]  # given flags win over the preset's
+    overrides = dict(i.split("=", 1) for i in study.compose_arm("sma99e+elr16").overrides)
+    assert overrides == {"optimizer": "sparse_avg", "optimizer.embedding_lr_scale": "16"}
 
 
 def test_stdlib_source_corpus_is_the_library_outside_its_tests_written_once(tmp_path, monkeypatch):
