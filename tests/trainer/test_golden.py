@@ -43,7 +43,8 @@ COMMON = ["logger=console", "train.log_every=1", "train.eval_every=0", "train.ck
 # then, the spec's rule; since the study's rule became the default (issue 15) the case selects the
 # spec's rule with optimizer=scape_spec, whose arithmetic is bit-identical to that old default path.
 CASES: Dict[str, List[str]] = {
-    "tiny_adams": ["+experiment=tiny_adams"],
+    # tiny_adams as pinned, before its embedding table trained at 16 lr (2026-12-05)
+    "tiny_adams": ["+experiment=tiny_adams", "optimizer.embedding_lr_scale=1", "optimizer.lr=3e-3"],
     "tiny_scape99": ["+experiment=tiny_scape99", "optimizer=scape_spec"],
     # micro-batches of 4 (8 accumulated) so the small corpus's val split has a batch for each rank
     "tiny_bsdp50": ["+experiment=tiny_bsdp50", "train.micro_batch_size=4"],
