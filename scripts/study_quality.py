@@ -41,6 +41,15 @@ from plot_runs import plot_curves, read_metrics  # noqa: E402
 
 DEFAULT_CORPUS = REPO.parent / "shared" / "corpora" / "tinyshakespeare.txt"
 REFERENCE_ARM = "adams"
+
+
+def reference_arm(names) -> Optional[str]:
+    """The arm every gap is measured against: adams, else the first adams arm with parts
+    (adams+elr16 in a study that trains every arm's embedding table at 16 lr)."""
+    names = list(names)
+    if REFERENCE_ARM in names:
+        return REFERENCE_ARM
+    return next((name for name in names if name.startswith(REFERENCE_ARM + "+")), None)
 WARMUP_STEPS = 20  # the lr warm-up of every arm (model_overrides)
 
 
@@ -523,9 +532,10 @@ def _fmt(value: Optional[float], spec: str, missing: str = "—") -> str:
 
 
 def markdown_table(results: Dict[str, dict], targets: List[dict], settings: dict) -> str:
-    reference = results.get(REFERENCE_ARM, {}).get("summary") or {}
+    ref_name = reference_arm(results)
+    reference = results.get(ref_name, {}).get("summary") or {}
     ref_loss = reference.get("final_val_loss")
-    ref_curve = results.get(REFERENCE_ARM, {}).get("curve")
+    ref_curve = results.get(ref_name, {}).get("curve")
     lines = [
         "| arm | steps | final val loss | best val loss | gap to AdamS | MB sent / rank | of dense | "
         "AdamS bytes to this loss ÷ bytes sent | wall time (s) |",
@@ -541,7 +551,7 @@ def markdown_table(results: Dict[str, dict], targets: List[dict], settings: dict
         dense = summary.get("dense_bytes_per_rank") or math.nan
         gap = None if ref_loss is None else loss - ref_loss
         per_byte = "—"
-        if ref_curve and name != REFERENCE_ARM and sent:
+        if ref_curve and name != ref_name and sent:
             needed = bytes_to_reach(ref_curve, loss)
             if needed is None:
                 per_byte = f"> {ref_curve['bytes_sent'][-1] / sent:.1f}×" if ref_curve["bytes_sent"] else "—"
@@ -549,7 +559,7 @@ def markdown_table(results: Dict[str, dict], targets: List[dict], settings: dict
                 per_byte = f"{needed / sent:.2f}×"
         lines.append(
             f"| {record['label']} | {summary['step']} | {_fmt(loss, '.4f')} | {_fmt(summary['best_val_loss'], '.4f')} "
-            f"| {'—' if name == REFERENCE_ARM else _fmt(gap, '+.4f')} | {sent / 1e6:,.1f} | {sent / dense:.1%} "
+            f"| {'—' if name == ref_name else _fmt(gap, '+.4f')} | {sent / 1e6:,.1f} | {sent / dense:.1%} "
             f"| {per_byte} | {_fmt(summary.get('wall_time_s'), '.0f')} |")
     lines += ["", "| target | result | |", "|---|---|---|"]
     for t in targets:
@@ -639,7 +649,7 @@ def _mean(values: Sequence[float]) -> Optional[float]:
 def sweep_gaps(arms: Dict[str, dict], shared_lr: float, first_seed: int) -> Dict[str, dict]:
     """Best-against-best gaps to AdamS (mean over seeds; per-seed paired gaps for the spread)
     and the gap at the shared lr (first seed)."""
-    ref = arms.get(REFERENCE_ARM, {})
+    ref = arms.get(reference_arm(arms), {})
     ref_seeds = ref.get("seed_losses_at_best_lr", {})
     ref_mean = _mean(list(ref_seeds.values()))
     ref_shared = ref.get("lr_losses_first_seed", {}).get(f"{shared_lr:g}")
@@ -668,7 +678,8 @@ def sweep_table(arms: Dict[str, dict], gaps: Dict[str, dict], args: argparse.Nam
              f"| gap to AdamS, best vs best (per seed) | gap at lr {args.shared_lr:g} | of dense bytes "
              f"| train loss, last interval (s{args.seeds[0]}) | its gap to AdamS |",
              "|---|" + "---:|" * len(lrs) + "---:|---|---:|---|---:|---:|---:|---:|"]
-    ref_train = _last_train_loss(arms.get(REFERENCE_ARM, {}))
+    ref_name = reference_arm(arms)
+    ref_train = _last_train_loss(arms.get(ref_name, {}))
     for name, arm in arms.items():
         cells = [_fmt(arm["lr_losses_first_seed"].get(f"{lr:g}"), ".4f", "") for lr in lrs]
         best = arm.get("best_lr")
@@ -676,13 +687,13 @@ def sweep_table(arms: Dict[str, dict], gaps: Dict[str, dict], args: argparse.Nam
         seeds = " / ".join(_fmt(v, ".4f") for v in arm["seed_losses_at_best_lr"].values())
         g = gaps[name]
         paired = ", ".join(f"{v:+.4f}" for v in g["paired_gaps"])
-        gap = "—" if name == REFERENCE_ARM else f"{_fmt(g['gap'], '+.4f')} ({paired})"
+        gap = "—" if name == ref_name else f"{_fmt(g['gap'], '+.4f')} ({paired})"
         share = (arm.get("bytes_sent_per_rank") or math.nan) / (arm.get("dense_bytes_per_rank") or math.nan)
         train = _last_train_loss(arm)
-        train_gap = "—" if name == REFERENCE_ARM or train is None or ref_train is None else f"{train - ref_train:+.4f}"
+        train_gap = "—" if name == ref_name or train is None or ref_train is None else f"{train - ref_train:+.4f}"
         lines.append(f"| {arm['label']} | {' | '.join(cells)} | {'—' if best is None else f'{best:g}'} | {seeds} "
                      f"| {_fmt(g['mean'], '.4f')} | {gap} | "
-                     f"{'—' if name == REFERENCE_ARM else _fmt(g['shared_gap'], '+.4f')} | {_fmt(share, '.1%')} "
+                     f"{'—' if name == ref_name else _fmt(g['shared_gap'], '+.4f')} | {_fmt(share, '.1%')} "
                      f"| {_fmt(train, '.4f')} | {train_gap} |")
     lines += ["", f"Settings: {args.description}. Best lr chosen by the first seed's final validation loss "
               f"(in bold); the other seeds run at that lr; an arm whose best lr was an end of the grid got the "

@@ -194,6 +194,17 @@ def test_presets_set_arms_lrs_and_seeds_and_every_arm_composes():
     assert overrides == {"optimizer": "sparse_avg", "optimizer.embedding_lr_scale": "16"}
 
 
+def test_gaps_are_to_adams_or_else_to_the_first_adams_arm_with_parts():
+    def arm(losses):
+        return {"seed_losses_at_best_lr": dict(zip((1337, 1), losses)), "lr_losses_first_seed": {"0.003": losses[0]}}
+
+    assert study.reference_arm(["sma99e+elr16", "adams+elr16", "adams+elr8"]) == "adams+elr16"
+    assert study.reference_arm(["adams+elr16", "adams"]) == "adams" and study.reference_arm(["sma99e"]) is None
+    gaps = study.sweep_gaps({"adams+elr16": arm([4.0, 4.2]), "sma99e+elr16": arm([4.1, 4.2])}, 3e-3, 1337)
+    assert gaps["sma99e+elr16"]["gap"] == pytest.approx(0.05) and gaps["sma99e+elr16"]["paired_gaps"] == \
+        pytest.approx([0.1, 0.0]) and gaps["sma99e+elr16"]["shared_gap"] == pytest.approx(0.1)
+
+
 def test_stdlib_source_corpus_is_the_library_outside_its_tests_written_once(tmp_path, monkeypatch):
     # on a library laid out by hand: which files are read, in which order
     fake = tmp_path / "lib"
