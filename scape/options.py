@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 from core.optim import embedding_lr_scale
 from scape.config import OptimizerConfig
@@ -80,7 +81,7 @@ def _needs_shared_steps(cfg: OptimizerConfig, setting: str, does: str) -> None:
                          f"and optimizer.exchange=drift")
 
 
-def embedding_denominator_beta(cfg: OptimizerConfig):
+def embedding_denominator_beta(cfg: OptimizerConfig) -> Optional[float]:
     """D's memory on the embedding tables: ``embedding_denominator_beta``; where that is None and
     the tables train faster than the lr (``embedding_lr_scale`` > 1),
     ``scaled_embedding_denominator_beta``; None = ``denominator_beta`` (the rest's memory)."""
