@@ -20,6 +20,8 @@ from scape.synchronizer import ScapeSynchronizer
 class HolderGroupScape(ScapeSynchronizer):
     """ScapeSynchronizer whose clipping norm may come from outside (the norm over all groups)."""
 
+    TABLE_LR_SCALE = False
+
     _norm: Optional[torch.Tensor] = None
 
     def gradient_norm(self) -> torch.Tensor:

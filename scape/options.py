@@ -215,7 +215,7 @@ def validate_config(cfg: OptimizerConfig) -> None:
         _needs_shared_steps(cfg, f"embedding_step_bound={embedding}", "bounds the local steps over a shared "
                             "denominator on the embedding tables")
     lr_scale = embedding_lr_scale(cfg)
-    if lr_scale != 1:
+    if lr_scale != 1 and cfg.name == "sparse_avg":  # SCAPE scales its one step (scape/update.py)
         _needs_shared_steps(cfg, f"embedding_lr_scale={lr_scale:g}", "scales the local steps over a shared "
                             "denominator on the embedding tables")
     if cfg.step_bound and cfg.normalizer == "local":

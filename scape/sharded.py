@@ -42,6 +42,8 @@ from scape.update import ScapeOptimizer
 class ShardedScapeSynchronizer(ScapeSynchronizer):
     """SCAPE whose optimizer state covers this rank's owned partitions only (see module doc)."""
 
+    TABLE_LR_SCALE = False
+
     @torch.no_grad()
     def load_resharded_state(self, state: Dict[str, Any], shards: Any) -> None:
         """Elastic resume from a checkpoint of ``shards.world`` ranks (collective).

@@ -26,6 +26,8 @@ import torch
 
 from core.checkpoint import repad
 from core.comm import Collectives
+from core.flat import embedding_weight_ids
+from core.optim import embedding_lr_scale
 from scape import kernels
 from scape.config import OptimizerConfig
 from scape.masking import MaskedSynchronizer
@@ -43,6 +45,10 @@ class ScapeSynchronizer(MaskedSynchronizer):
     single-rank run with a 2-rank one this way, and the benchmarks use it).
     """
 
+    # optimizer.embedding_lr_scale: the embedding tables' coordinates train at k lr (False where
+    # a subclass's state does not cover the whole model: the sharded optimizer, SDP's groups)
+    TABLE_LR_SCALE = True
+
     def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig,
                  num_partitions: Optional[int] = None,
                  residual_chunk_numel: int = DEFAULT_CHUNK_NUMEL, comm: Optional[Collectives] = None,
@@ -50,11 +56,16 @@ class ScapeSynchronizer(MaskedSynchronizer):
         cfg = as_dataclass(cfg)
         # a sparse_avg key is refused by name first: its own checks would ask for sparse_avg settings
         refuse_foreign_keys(cfg, SPARSE_AVG_ONLY_KEYS, "a sparse_avg", "scape")
-        refuse_foreign_keys(cfg, ("embedding_lr_scale",), "an adamw, adams and sparse_avg", "scape")
+        self.table_lr_scale = embedding_lr_scale(cfg)
+        if self.table_lr_scale != 1 and not self.TABLE_LR_SCALE:
+            raise ValueError(f"optimizer.embedding_lr_scale={self.table_lr_scale:g} is not supported with "
+                             f"optimizer.shard=true or SDP (their optimizer state does not hold whole tables): "
+                             f"leave it 1")
         validate_config(cfg)
         self.cfg = cfg
         self.beta1, self.beta2 = float(cfg.betas[0]), float(cfg.betas[1])
         decay_numel = self._flatten(model, "SCAPE", num_partitions, comm)
+        self.table_ranges = self._table_ranges(model) if self.table_lr_scale != 1 else []
         # stale_scale_cap 0: one partition's refresh period
         cap = float(cfg.stale_scale_cap) or 1.0 / self.masks.density
         super().__init__(model, self._build_optimizer(decay_numel, cap), self.comm)
@@ -179,10 +190,20 @@ class ScapeSynchronizer(MaskedSynchronizer):
             self.masks.exchange(following, self.k_at(following), async_op=True)
 
     # --- the pieces (scape/sharded.py overrides the first five: its state covers one shard) --
+    def _table_ranges(self, model: torch.nn.Module) -> list:
+        """``[start, end)`` of each ``torch.nn.Embedding`` weight in the flat buffer."""
+        tables = embedding_weight_ids(model)
+        if not tables:
+            raise ValueError(f"optimizer.embedding_lr_scale={self.table_lr_scale:g} scales the lr on the embedding "
+                             f"tables, but the model has no torch.nn.Embedding: leave it 1")
+        return [(offset, offset + param.numel()) for param, offset in zip(self.flat.params, self.flat.offsets)
+                if id(param) in tables]
+
     def _build_optimizer(self, decay_numel: int, cap: float) -> ScapeOptimizer:
         cfg = self.cfg
         return ScapeOptimizer(self.flat.data, decay_numel, cfg.lr, cfg.betas, cfg.eps,
-                              cfg.weight_decay, cfg.base, cfg.stale_scale, cap)
+                              cfg.weight_decay, cfg.base, cfg.stale_scale, cap,
+                              self.table_ranges, self.table_lr_scale)
 
     def _reduce_dense(self, grad: torch.Tensor) -> torch.Tensor:
         """ghat of a dense step: the mean gradient."""

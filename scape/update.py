@@ -5,7 +5,7 @@ parameters and momentum stay bit-identical across ranks without any broadcast.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -18,11 +18,16 @@ class ScapeOptimizer:
     Weight decay applies to ``[0, decay_end)``: the synchroniser lays out matrices first, so
     "decay on ndim >= 2 only" is one contiguous range. ``param_groups`` mirrors torch's optimizers
     so code that reads the learning rate from ``sync.optimizer`` keeps working.
+
+    ``table_ranges`` / ``table_lr_scale`` k (``optimizer.embedding_lr_scale``): the coordinates in
+    those ``[start, end)`` ranges of the flat buffer (the embedding tables) train at k lr, their
+    step and their weight decay, as the dense optimizers' third param group does.
     """
 
     def __init__(self, param: torch.Tensor, decay_end: int, lr: float, betas, eps: float,
                  weight_decay: float, base: str = "adams", stale_scale: str = "steps",
-                 stale_scale_cap: float = 1.0) -> None:
+                 stale_scale_cap: float = 1.0, table_ranges: Sequence[Tuple[int, int]] = (),
+                 table_lr_scale: float = 1.0) -> None:
         self.param = param
         self.decay_end = decay_end
         self.beta1, self.beta2 = float(betas[0]), float(betas[1])
@@ -31,6 +36,8 @@ class ScapeOptimizer:
         self.base = base
         self.stale_scale = stale_scale
         self.stale_scale_cap = float(stale_scale_cap)
+        self.table_lr_scale = float(table_lr_scale)
+        self.table_ranges = [(int(a), int(b)) for a, b in table_ranges] if self.table_lr_scale != 1.0 else []
         self.param_groups = [{"lr": lr, "betas": (self.beta1, self.beta2), "eps": self.eps,
                               "weight_decay": self.weight_decay}]
         self.momentum = torch.zeros_like(param)
@@ -62,33 +69,57 @@ class ScapeOptimizer:
             since = ((self.lr_sums[step] - self.lr_sums.index_select(0, last.long())) / lr).float()
         return since.clamp_(max=self.stale_scale_cap)
 
+    def _table_scales(self, indices: torch.Tensor) -> torch.Tensor:
+        """k on the tables' coordinates among ``indices``, 1 elsewhere (a factor of the lazy step)."""
+        on = torch.zeros_like(indices, dtype=torch.bool)
+        for start, end in self.table_ranges:
+            on |= (indices >= start) & (indices < end)
+        return torch.where(on, self.table_lr_scale, 1.0).to(self.param.dtype)
+
+    def _decay(self, lr: float) -> None:
+        """Decoupled weight decay on ``[0, decay_end)``, at k lr on the tables there."""
+        if self.weight_decay == 0.0 or self.decay_end == 0:
+            return
+        self.param[:self.decay_end].mul_(1.0 - lr * self.weight_decay)
+        for start, end in self.table_ranges:
+            end = min(end, self.decay_end)
+            if start < end:
+                self.param[start:end].mul_((1.0 - self.table_lr_scale * lr * self.weight_decay)
+                                           / (1.0 - lr * self.weight_decay))
+
     # --- the three update shapes -------------------------------------------------------------
     def dense_update(self, grad: torch.Tensor, lr: float, step: int, all_sent: bool = True) -> None:
         """Every coordinate gets ``grad`` (a dense step, or ``update='all'`` with zeros off-mask).
 
         ``all_sent``: every coordinate's contribution was sent (a dense step), so no staleness.
+        The fused kernel takes one lr, so the tables' change (step and decay) is scaled by k after it.
         """
         self.param_groups[0]["lr"] = lr
         self._record_lr(step, lr)
+        before = [(start, end, self.param[start:end].clone()) for start, end in self.table_ranges]
         if self.base == "adams":  # the fused kernel applies the weight decay itself
             kernels.adams_dense_update(self.param, self.momentum, grad, lr, self.beta1, self.beta2,
                                        self.eps, 1.0 - self.beta1 ** step, self.weight_decay,
                                        self.decay_end)
         else:
             self._adamw(self.param, self.momentum, self.second_moment, grad, lr, step, None)
+        for start, end, old in before:
+            self.param[start:end].sub_(old).mul_(self.table_lr_scale).add_(old)
         if self.last_sent is not None and all_sent:
             self.last_sent.fill_(step)
 
     def masked_update(self, indices: torch.Tensor, grad: torch.Tensor, lr: float, step: int) -> None:
         """The lazy rule: decay everywhere, then the step on ``indices`` only (``grad`` = their ghat)."""
         self.param_groups[0]["lr"] = lr
-        if self.weight_decay != 0.0 and self.decay_end > 0:
-            self.param[:self.decay_end].mul_(1.0 - lr * self.weight_decay)
+        self._decay(lr)
         self._record_lr(step, lr)
         scale = None
         if self.last_sent is not None:
             scale = self._staleness(indices, lr, step)
             self.last_sent.index_fill_(0, indices, step)
+        if self.table_ranges:
+            tables = self._table_scales(indices)
+            scale = tables if scale is None else scale * tables
         if self.base == "adams":
             kernels.adams_masked_update(self.param, self.momentum, indices, grad, lr, self.beta1,
                                         self.beta2, self.eps, 1.0 - self.beta1 ** step, scale)

@@ -1154,8 +1154,12 @@ def test_settings_are_checked_and_the_builders_dispatch():
     for key in ("step_bound", "fresh_step_bound", "embedding_step_bound", "own_denominator_floor"):
         with pytest.raises(ValueError, match=f"optimizer.{key}=2 is a sparse_avg option; optimizer=scape does not"):
             scape.build_synchronizer(make_model(), avg_config(name="scape", **{key: 2}))
-    with pytest.raises(ValueError, match="embedding_lr_scale=2 is an adamw, adams and sparse_avg option; optimizer=scape "):
-        scape.build_synchronizer(TokenModel(), avg_config(name="scape", embedding_lr_scale=2))
+    # SCAPE takes the table's lr where its state holds the whole model, not on a model without a table
+    assert scape.build_synchronizer(TokenModel(), avg_config(name="scape", embedding_lr_scale=2)).table_ranges
+    with pytest.raises(ValueError, match="embedding_lr_scale=2 scales the lr on the embedding tables, but the model"):
+        scape.build_synchronizer(make_model(), avg_config(name="scape", embedding_lr_scale=2))
+    with pytest.raises(ValueError, match="embedding_lr_scale=2 is not supported with optimizer.shard=true or SDP"):
+        scape.build_synchronizer(TokenModel(), avg_config(name="scape", embedding_lr_scale=2, shard=True))
     with pytest.raises(ValueError, match="embedding_lr_scale=2 scales the local steps over a shared denominator"):
         SparseAverageSynchronizer(TokenModel(), avg_config(embedding_lr_scale=2))
     with pytest.raises(ValueError, match="embedding_lr_scale=0 must be a number > 0"):

@@ -27,6 +27,34 @@ def test_lazy_update_moves_off_mask_weights_by_weight_decay_only():
     assert not torch.equal(sync.flat.data[~off], expected[~off])
 
 
+def test_table_lr_scale_multiplies_the_tables_step_and_decay():
+    """ScapeOptimizer with the table range [2, 6) at k = 3: a lazy step moves the table's masked
+    coordinates k times as far, decays the whole table at k lr; a dense step likewise; the other
+    coordinates as at k = 1 (the same state, the same ghat)."""
+    k, lr, wd = 3.0, 1e-2, 0.1
+    torch.manual_seed(0)
+    start, grad, momentum = torch.randn(10), torch.randn(10), torch.randn(10)
+    indices = torch.tensor([0, 3, 4, 8])
+
+    def run(update, scale):
+        opt = ScapeOptimizer(start.clone(), 8, lr, (0.9, 0.95), 1e-8, wd, table_ranges=[(2, 6)], table_lr_scale=scale)
+        opt.momentum.copy_(momentum)
+        if update == "masked":
+            opt.masked_update(indices, grad[indices], lr, step=3)
+        else:
+            opt.dense_update(grad, lr, step=3)
+        return opt.param - start
+
+    for update in ("masked", "dense"):
+        one, scaled = run(update, 1.0), run(update, k)
+        table = torch.zeros(10, dtype=torch.bool)
+        table[2:6] = True
+        torch.testing.assert_close(scaled[table], k * one[table])
+        assert torch.equal(scaled[~table], one[~table])
+    off_mask_table = torch.tensor([2, 5])
+    torch.testing.assert_close(run("masked", k)[off_mask_table], -k * lr * wd * start[off_mask_table])
+
+
 def test_update_all_moves_every_weight():
     model = make_model()
     sync = ScapeSynchronizer(model, scape_config(sparsity=0.9, update="all", stale_scale_cap=1, weight_decay=0.0))
