@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Sequence, Set, TypeVar
+from typing import Any, Callable, Dict, List, Sequence, Set, Tuple, TypeVar
 
 import torch
 
@@ -34,6 +34,10 @@ class FlatParameters:
 
     def zero_grad(self) -> None:
         self.grad.zero_()
+
+    def ranges(self, ids: Set[int]) -> List[Tuple[int, int]]:
+        """``[start, end)`` in the flat buffer of each parameter whose ``id`` is in ``ids``."""
+        return [(offset, offset + p.numel()) for p, offset in zip(self.params, self.offsets) if id(p) in ids]
 
 
 Item = TypeVar("Item")

@@ -506,9 +506,8 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             raise ValueError(f"optimizer.{key}={on_tables:g} {does} the embedding tables, but the model has "
                              f"no torch.nn.Embedding: leave it {off if isinstance(off, str) else format(off, 'g')}")
         values = torch.full_like(self.consensus, elsewhere)
-        for param, offset in zip(self.flat.params, self.flat.offsets):
-            if id(param) in tables:
-                values[offset:offset + param.numel()] = on_tables
+        for start, end in self.flat.ranges(tables):
+            values[start:end] = on_tables
         return values
 
     # --- the loop's calls ----------------------------------------------------------------------

@@ -196,8 +196,7 @@ class ScapeSynchronizer(MaskedSynchronizer):
         if not tables:
             raise ValueError(f"optimizer.embedding_lr_scale={self.table_lr_scale:g} scales the lr on the embedding "
                              f"tables, but the model has no torch.nn.Embedding: leave it 1")
-        return [(offset, offset + param.numel()) for param, offset in zip(self.flat.params, self.flat.offsets)
-                if id(param) in tables]
+        return self.flat.ranges(tables)
 
     def _build_optimizer(self, decay_numel: int, cap: float) -> ScapeOptimizer:
         cfg = self.cfg

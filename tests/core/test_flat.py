@@ -26,3 +26,14 @@ def test_the_decayed_prefix_of_the_flat_buffer_is_the_decay_group():
     assert all(decays(p) for p in decay_group["params"]) and not any(decays(p) for p in rest["params"])
     assert flat.offsets[len(decay_group["params"])] == prefix
     assert decay_group["weight_decay"] == 0.1 and rest["weight_decay"] == 0.0
+
+
+def test_ranges_are_the_slices_of_the_flat_buffer_that_hold_the_named_parameters():
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 4), torch.nn.Embedding(2, 3))
+    flat = FlatParameters(flat_order(list(model.parameters())))
+    tables = {id(model[0].weight), id(model[2].weight)}
+    ranges = flat.ranges(tables)
+    assert [end - start for start, end in ranges] == [15, 6]
+    for (start, end), table in zip(ranges, (model[0].weight, model[2].weight)):
+        assert torch.equal(flat.data[start:end], table.detach().reshape(-1))
+    assert flat.ranges(set()) == []
