@@ -182,6 +182,16 @@ def default_local_step_scale(copies: int, power: float) -> float:
     return min(1.0, (4.0 / copies) ** power)
 
 
+def largest_mean_momentum(cfg: OptimizerConfig, copies: int) -> Optional[float]:
+    """The largest |mean momentum| per coordinate that clipped gradients allow: grad_clip when each
+    copy is clipped by its own norm (no coordinate of its gradient exceeds it), sqrt(copies) x
+    grad_clip with one factor for all (grad_clip_scope=shared: only the copies' RMS norm is at most
+    grad_clip); None without clipping."""
+    if not cfg.grad_clip:
+        return None
+    return float(cfg.grad_clip) * (1.0 if cfg.grad_clip_scope == "rank" else math.sqrt(copies))
+
+
 def default_step_bound(beta2: float, copies: int) -> float:
     """The clamp of a local step over the shared denominator, in lr: sqrt(C / (1 - b2)) on C copies.
 
@@ -220,8 +230,11 @@ class _SharedNormalizer:
 
     def __init__(self, like: torch.Tensor, beta: float, eps: float, max_covered: Optional[float] = None,
                  bound: float = 0.0, copies: int = 1, fresh_bound: float = 0.0,
-                 own_floor: float = 0.0, memory: Optional[float] = None) -> None:
+                 own_floor: float = 0.0, memory: Optional[float] = None,
+                 largest_q: Optional[float] = None) -> None:
         self.beta, self.eps = beta, eps
+        # the largest |q| a mean momentum of clipped gradients can have (None: no clipping)
+        self.largest_q = largest_q
         # denominator_beta: D^2's average of q^2 per step covered (beta, AdamS's b2, if None); a
         # tensor where the embedding tables have their own (embedding_denominator_beta)
         self.memory: Any = float(beta if memory is None else memory)
@@ -283,9 +296,19 @@ class _SharedNormalizer:
         self.commit(*self.fold(q, mask, step), mask, step)
 
     def exchange(self, mean_drift: torch.Tensor, mask: Optional[torch.Tensor], step: int) -> None:
-        """normalizer=shared: q = -mean drift D / lr sum, folded into D (before the copies snap to x)."""
+        """normalizer=shared: q = -mean drift D / lr sum, folded into D (before the copies snap to x).
+
+        |q| is capped at ``largest_q``: q is a mean momentum of clipped gradients, so anything
+        larger is not a step but the codes' error. A coordinate whose own steps are tiny beside
+        the others in its 64-value block (the rows of absent tokens, with the table at 16 lr)
+        receives half a quantization step at each exchange whatever it did, which reads as
+        q = D x (that step / lr sum): proportional to D, so D compounds at every exchange until it
+        is inf, and nan once such a drift is exactly 0 (docs/RESULTS.md, "Where D ran away").
+        """
         lr_sum = _take(self.lr_sum, mask)
         q = -mean_drift * _take(self.denominator, mask) / lr_sum.clamp(min=torch.finfo(lr_sum.dtype).tiny)
+        if self.largest_q is not None:
+            q.clamp_(-self.largest_q, self.largest_q)
         self.reveal(q, mask, step)
 
     def local_step(self, param: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor, lr: float,
@@ -458,7 +481,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             self.consensus, float(cfg.betas[1]), float(cfg.eps),
             1.0 / (1.0 - float(cfg.betas[0])) if self.revealed else None, float(cfg.step_bound), self.copies,
             float(cfg.fresh_step_bound), float(cfg.own_denominator_floor),
-            None if cfg.denominator_beta is None else float(cfg.denominator_beta),
+            None if cfg.denominator_beta is None else float(cfg.denominator_beta), largest_mean_momentum(cfg, self.copies),
         ) if cfg.normalizer in ("shared", "revealed", "oracle") or momentum_exchange else None
         if cfg.embedding_step_bound and self.normalizer is not None:
             self.normalizer.bounds = self._embedding_bounds(model, float(cfg.embedding_step_bound))
