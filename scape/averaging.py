@@ -231,10 +231,8 @@ class _SharedNormalizer:
     def __init__(self, like: torch.Tensor, beta: float, eps: float, max_covered: Optional[float] = None,
                  bound: float = 0.0, copies: int = 1, fresh_bound: float = 0.0,
                  own_floor: float = 0.0, memory: Optional[float] = None,
-                 largest_q: Optional[float] = None) -> None:
+                 largest_momentum: Optional[float] = None) -> None:
         self.beta, self.eps = beta, eps
-        # the largest |q| a mean momentum of clipped gradients can have (None: no clipping)
-        self.largest_q = largest_q
         # denominator_beta: D^2's average of q^2 per step covered (beta, AdamS's b2, if None); a
         # tensor where the embedding tables have their own (embedding_denominator_beta)
         self.memory: Any = float(beta if memory is None else memory)
@@ -242,6 +240,9 @@ class _SharedNormalizer:
         # correlation time 1 / (1 - b1) of steps however long the interval was
         self.max_covered = max_covered
         self.bound = bound or default_step_bound(beta, copies)
+        # |q| at most the largest mean momentum of clipped gradients times the step bound (None:
+        # no clipping): a guard that binds only where D has run away (see ``exchange``)
+        self.largest_q = None if largest_momentum is None else largest_momentum * self.bound
         # fresh_step_bound: the bound where D was refreshed at this step's exchange
         self.fresh_bound = fresh_bound or self.bound
         # embedding_step_bound: the bound per coordinate, where a part of the model has its own
@@ -298,12 +299,14 @@ class _SharedNormalizer:
     def exchange(self, mean_drift: torch.Tensor, mask: Optional[torch.Tensor], step: int) -> None:
         """normalizer=shared: q = -mean drift D / lr sum, folded into D (before the copies snap to x).
 
-        |q| is capped at ``largest_q``: q is a mean momentum of clipped gradients, so anything
-        larger is not a step but the codes' error. A coordinate whose own steps are tiny beside
-        the others in its 64-value block (the rows of absent tokens, with the table at 16 lr)
-        receives half a quantization step at each exchange whatever it did, which reads as
-        q = D x (that step / lr sum): proportional to D, so D compounds at every exchange until it
-        is inf, and nan once such a drift is exactly 0 (docs/RESULTS.md, "Where D ran away").
+        A coordinate whose own steps are tiny beside the others in its 64-value block (the rows
+        of absent tokens, with the table at 16 lr) receives half a quantization step at each
+        exchange whatever it did, which reads as q = D x (that step / lr sum): proportional to D,
+        so D compounds at every exchange until it is inf, and nan once such a drift is exactly 0
+        (docs/RESULTS.md, "Where D ran away"). So |q| is capped at ``largest_q``: a mean momentum
+        of clipped gradients is at most grad_clip, and a revealed one at most the step bound times
+        D, so grad_clip x the bound is beyond any q from steps over a D that has not run away.
+        The tight cap, grad_clip, also binds on single codes' errors and was measured worse.
         """
         lr_sum = _take(self.lr_sum, mask)
         q = -mean_drift * _take(self.denominator, mask) / lr_sum.clamp(min=torch.finfo(lr_sum.dtype).tiny)

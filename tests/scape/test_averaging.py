@@ -165,7 +165,7 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
             if shared and not oracle:
                 q = -delta * denom[sel] / lr_sum[sel]
                 if cfg.grad_clip:  # a mean momentum of clipped gradients: larger is the codes' error
-                    largest = cfg.grad_clip * (1 if cfg.grad_clip_scope == "rank" else copies ** 0.5)
+                    largest = cfg.grad_clip * (1 if cfg.grad_clip_scope == "rank" else copies ** 0.5) * bound
                     q = q.clamp(-largest, largest)
                 w = bd ** (t - last_sent[sel])
                 if revealed:
@@ -1413,11 +1413,12 @@ def test_local_step_scale_zero_follows_the_copies():
 def test_the_revealed_mean_momentum_is_capped_at_what_clipped_gradients_allow():
     """A coordinate whose drift at each exchange is the codes' error, not its own step (here a
     constant 4 lr sums, whatever the step): q = drift D / lr sum grows with D, so without the
-    cap D compounds to inf; with it D stays at most the clip (the largest mean momentum)."""
+    cap D compounds to inf; with it D stays at most the clip (the largest mean momentum) times
+    the step bound."""
     from scape.averaging import _SharedNormalizer, largest_mean_momentum
 
     def run(largest):
-        n = _SharedNormalizer(torch.zeros(3), beta=0.95, eps=1e-8, memory=0.2, largest_q=largest)
+        n = _SharedNormalizer(torch.zeros(3), beta=0.95, eps=1e-8, memory=0.2, bound=2.0, largest_momentum=largest)
         n.start(torch.full((3,), 1e-4))
         for step in range(2, 400):
             n.lr_sum.fill_(1e-3)
@@ -1426,9 +1427,9 @@ def test_the_revealed_mean_momentum_is_capped_at_what_clipped_gradients_allow():
 
     assert not torch.isfinite(run(None)).any()
     capped = run(1.0)
-    assert torch.isfinite(capped).all() and capped.max() <= 1.0 + 1e-6
+    assert torch.isfinite(capped).all() and capped.max() <= 2.0 + 1e-6
     # a q within the cap is folded as before, bit for bit
-    n, m = (_SharedNormalizer(torch.zeros(2), beta=0.95, eps=1e-8, largest_q=cap) for cap in (1.0, None))
+    n, m = (_SharedNormalizer(torch.zeros(2), beta=0.95, eps=1e-8, largest_momentum=cap) for cap in (1.0, None))
     for norm in (n, m):
         norm.start(torch.tensor([0.5, -0.2]))
         norm.lr_sum.fill_(2e-3)
