@@ -182,16 +182,6 @@ def default_local_step_scale(copies: int, power: float) -> float:
     return min(1.0, (4.0 / copies) ** power)
 
 
-def largest_mean_momentum(cfg: OptimizerConfig, copies: int) -> Optional[float]:
-    """The largest |mean momentum| per coordinate that clipped gradients allow: grad_clip when each
-    copy is clipped by its own norm (no coordinate of its gradient exceeds it), sqrt(copies) x
-    grad_clip with one factor for all (grad_clip_scope=shared: only the copies' RMS norm is at most
-    grad_clip); None without clipping."""
-    if not cfg.grad_clip:
-        return None
-    return float(cfg.grad_clip) * (1.0 if cfg.grad_clip_scope == "rank" else math.sqrt(copies))
-
-
 def default_step_bound(beta2: float, copies: int) -> float:
     """The clamp of a local step over the shared denominator, in lr: sqrt(C / (1 - b2)) on C copies.
 
@@ -230,8 +220,7 @@ class _SharedNormalizer:
 
     def __init__(self, like: torch.Tensor, beta: float, eps: float, max_covered: Optional[float] = None,
                  bound: float = 0.0, copies: int = 1, fresh_bound: float = 0.0,
-                 own_floor: float = 0.0, memory: Optional[float] = None,
-                 largest_momentum: Optional[float] = None) -> None:
+                 own_floor: float = 0.0, memory: Optional[float] = None) -> None:
         self.beta, self.eps = beta, eps
         # denominator_beta: D^2's average of q^2 per step covered (beta, AdamS's b2, if None); a
         # tensor where the embedding tables have their own (embedding_denominator_beta)
@@ -240,9 +229,6 @@ class _SharedNormalizer:
         # correlation time 1 / (1 - b1) of steps however long the interval was
         self.max_covered = max_covered
         self.bound = bound or default_step_bound(beta, copies)
-        # |q| at most the largest mean momentum of clipped gradients times the step bound (None:
-        # no clipping): a guard that binds only where D has run away (see ``exchange``)
-        self.largest_q = None if largest_momentum is None else largest_momentum * self.bound
         # fresh_step_bound: the bound where D was refreshed at this step's exchange
         self.fresh_bound = fresh_bound or self.bound
         # embedding_step_bound: the bound per coordinate, where a part of the model has its own
@@ -302,16 +288,15 @@ class _SharedNormalizer:
         A coordinate whose own steps are tiny beside the others in its 64-value block (the rows
         of absent tokens, with the table at 16 lr) receives half a quantization step at each
         exchange whatever it did, which reads as q = D x (that step / lr sum): proportional to D,
-        so D compounds at every exchange until it is inf, and nan once such a drift is exactly 0
-        (docs/RESULTS.md, "Where D ran away"). So |q| is capped at ``largest_q``: a mean momentum
-        of clipped gradients is at most grad_clip, and a revealed one at most the step bound times
-        D, so grad_clip x the bound is beyond any q from steps over a D that has not run away.
-        The tight cap, grad_clip, also binds on single codes' errors and was measured worse.
+        so D compounds at every exchange and the coordinate stops moving (docs/RESULTS.md, "Where
+        D runs away"). |q| is capped at ``LARGEST_Q`` so that q^2 stays finite in fp32: past it D
+        would be inf, and nan where such a drift is exactly 0. At that D a step is far below a
+        weight's rounding, so the cap changes no trajectory; capping q lower (at grad_clip, which
+        bounds a mean momentum of clipped gradients) lets those coordinates move and measured worse.
         """
         lr_sum = _take(self.lr_sum, mask)
         q = -mean_drift * _take(self.denominator, mask) / lr_sum.clamp(min=torch.finfo(lr_sum.dtype).tiny)
-        if self.largest_q is not None:
-            q.clamp_(-self.largest_q, self.largest_q)
+        q.clamp_(-self.LARGEST_Q, self.LARGEST_Q)
         self.reveal(q, mask, step)
 
     def local_step(self, param: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor, lr: float,
@@ -388,6 +373,10 @@ class _SharedNormalizer:
             self.lr_sum.add_(lr)
         else:
             self.lr_sum.add_(lr_scales, alpha=lr)
+
+    # the largest |q| folded into D: q^2 = 1e34 stays finite in fp32 (at most 3.4e38) through a bias
+    # correction of down to 1e-4 (see ``exchange``)
+    LARGEST_Q = 1e17
 
     STATE_KEYS = ("second", "lr_sum", "last", "denominator")
 
@@ -484,7 +473,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             self.consensus, float(cfg.betas[1]), float(cfg.eps),
             1.0 / (1.0 - float(cfg.betas[0])) if self.revealed else None, float(cfg.step_bound), self.copies,
             float(cfg.fresh_step_bound), float(cfg.own_denominator_floor),
-            None if cfg.denominator_beta is None else float(cfg.denominator_beta), largest_mean_momentum(cfg, self.copies),
+            None if cfg.denominator_beta is None else float(cfg.denominator_beta),
         ) if cfg.normalizer in ("shared", "revealed", "oracle") or momentum_exchange else None
         if cfg.embedding_step_bound and self.normalizer is not None:
             self.normalizer.bounds = self._embedding_bounds(model, float(cfg.embedding_step_bound))
