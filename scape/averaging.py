@@ -454,6 +454,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self.cycle_position = 0
         self.value_dtype = torch.bfloat16 if cfg.value_dtype == "bf16" else torch.float32
         self.value_bits = int(cfg.value_bits)  # 0: value_dtype values; else codes (value_dtype scales)
+        self.midtread = cfg.value_quantizer == "midtread"
         self.quantized_collective = cfg.quantized_collective
         # requantization_error=owner: the owner's pending error of its chunk's mean, over the chunk
         # of the flat layout this copy owns in the compressed all-reduce (1 / C of it, from
@@ -653,13 +654,13 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
 
         def encode(values: torch.Tensor):
             """(the codes and scales as one byte row, what they read back as)."""
-            packed, scale, read_back = quantize(values, bits, scale_dtype)
+            packed, scale, read_back = quantize(values, bits, scale_dtype, self.midtread)
             return torch.cat([packed, scale.view(torch.uint8)]), read_back
 
         def decode(row: torch.Tensor, n: int) -> torch.Tensor:
             # (a copy of the scales' slice: a view as a wider dtype needs an aligned offset)
             codes = math.ceil(n * bits / 8)
-            return dequantize(row[:codes], row[codes:].clone().view(scale_dtype), bits, n)
+            return dequantize(row[:codes], row[codes:].clone().view(scale_dtype), bits, n, self.midtread)
 
         own = self.exchange_comm.rank()
         if self.quantized_collective == "all_gather":

@@ -140,6 +140,10 @@ class OptimizerConfig(DenseOptimizerConfig):
     # (N - 1) / 2 times the bytes of an all-reduce of the same payload: on 4 ranks equal bytes
     # buy about 2x (4 bits) to 6x (1 bit) as many coordinates per step as bf16 values
     value_bits: int = 0
+    # the codes' levels: midrise (2^b levels at +-1/2, +-3/2, ... steps: no level at 0) or midtread
+    # (2^b - 1 levels at 0, +-1, ... steps; 2 or 4 bits), where a drift far below its block's RMS
+    # reads back as 0 instead of half a step
+    value_quantizer: str = "midrise"
     # how the codes travel: all_gather (every rank reads every rank's codes; exact mean of the
     # codes, (N - 1) x the payload) or compressed_all_reduce (an all-to-all to each chunk's owner,
     # which averages and quantizes again, then an all-gather: 2 (N - 1) / N x the payload, as an

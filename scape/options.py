@@ -6,7 +6,7 @@ from typing import Optional
 
 from core.optim import embedding_lr_scale
 from scape.config import OptimizerConfig
-from scape.quantize import BITS as QUANTIZED_BITS
+from scape.quantize import BITS as QUANTIZED_BITS, MIDTREAD_BITS
 from scape.topk import TOPK_METHODS
 from scape.transport import TRANSPORTS
 
@@ -51,7 +51,7 @@ def as_dataclass(cfg) -> OptimizerConfig:
 SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule", "normalizer", "exchange", "step_bound",
                         "fresh_step_bound", "embedding_step_bound", "own_denominator_floor", "clamp_excess", "average_momentum",
                         "local_momentum", "density_lr_power", "min_sparsity",
-                        "ranks_per_copy", "value_bits", "quantized_collective", "requantization_error",
+                        "ranks_per_copy", "value_bits", "value_quantizer", "quantized_collective", "requantization_error",
                         "local_step_scale", "local_step_scale_power", "embedding_local_step_scale",
                         "embedding_score_scale", "denominator_beta", "embedding_denominator_beta",
                         "scaled_embedding_denominator_beta", "grad_clip_scope")
@@ -60,6 +60,7 @@ MASK_RULES = ("drift", "deviation", "random", "cyclic")
 NORMALIZERS = ("local", "shared", "revealed", "oracle")
 EXCHANGES = ("drift", "momentum")
 QUANTIZED_COLLECTIVES = ("all_gather", "compressed_all_reduce")
+VALUE_QUANTIZERS = ("midrise", "midtread")
 REQUANTIZATION_ERRORS = ("copy", "owner")
 GRAD_CLIP_SCOPES = ("rank", "shared")
 CLAMP_EXCESSES = ("drop", "send")
@@ -195,6 +196,10 @@ def validate_config(cfg: OptimizerConfig) -> None:
                            or cfg.exchange != "drift"):
         raise ValueError(f"optimizer.value_bits={cfg.value_bits} quantizes the drifts only; it needs "
                          f"optimizer.normalizer=local or shared, average_momentum=false and exchange=drift")
+    _choice("value_quantizer", cfg.value_quantizer, VALUE_QUANTIZERS)
+    if cfg.value_quantizer == "midtread" and cfg.value_bits not in MIDTREAD_BITS:
+        raise ValueError(f"optimizer.value_quantizer=midtread has 2^b - 1 levels, one of them 0; it needs "
+                         f"optimizer.value_bits=2 or 4, not {cfg.value_bits}")
     _choice("quantized_collective", cfg.quantized_collective, QUANTIZED_COLLECTIVES)
     if cfg.quantized_collective != "all_gather" and not cfg.value_bits:
         raise ValueError(f"optimizer.quantized_collective={cfg.quantized_collective} says how quantized drifts "

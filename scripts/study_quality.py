@@ -235,6 +235,8 @@ _PARTS = {
     "bfloat": (("optimizer.value_dtype=bf16",), "bf16 values"),
     # sparse_avg only: the drifts travel as N-bit codes (all-gathered), the rest kept in the copy
     "q": (("optimizer.value_bits={n}",), "{n}-bit drifts"),
+    # ... on mid-tread codes (a level at 0)
+    "midtread": (("optimizer.value_quantizer=midtread",), "mid-tread codes"),
     # ... re-quantized by chunk owners: a compressed all-reduce (all-to-all + all-gather)
     "car": (("optimizer.quantized_collective=compressed_all_reduce",), "compressed all-reduce"),
     # ... all-gathered instead: every copy reads every copy's codes, no owner re-quantizes the mean

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from scape.kernels.reference import code_layout
+
 _BLOCK = 1024
 _BYTE_BLOCK = 256
 
@@ -106,7 +108,7 @@ def _adams_dense_kernel(param_ptr, momentum_ptr, grad_ptr, n, lr, beta1, beta2, 
 @triton.jit
 def _quantize_kernel(values_ptr, packed_ptr, scale_ptr, read_back_ptr, count, n_packed, n_blocks,
                      step_per_rms, BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                     SCALE_BF16: tl.constexpr):
+                     SCALE_BF16: tl.constexpr, ZERO: tl.constexpr, SHIFT: tl.constexpr, TOP: tl.constexpr):
     # ROWS blocks of BLOCK values a program: the scale, the codes, their read-back and the packed
     # bytes in one read of the values (the reference takes a pass for each)
     PER_BYTE: tl.constexpr = 8 // BITS
@@ -123,10 +125,9 @@ def _quantize_kernel(values_ptr, packed_ptr, scale_ptr, read_back_ptr, count, n_
     else:
         tl.store(scale_ptr + row, scale, mask=row < n_blocks)
     step = scale[:, None]
-    half = 2 ** (BITS - 1)
-    codes = tl.floor(tl.div_rn(v, tl.where(step > 0, step, 1.0))) + half
-    codes = tl.minimum(tl.maximum(codes, 0.0), 2 ** BITS - 1)
-    tl.store(read_back_ptr + i, (codes - (half - 0.5)) * step, mask=valid)
+    codes = tl.floor(tl.div_rn(v, tl.where(step > 0, step, 1.0)) + SHIFT) + ZERO  # reference.code_layout
+    codes = tl.minimum(tl.maximum(codes, 0.0), TOP)
+    tl.store(read_back_ptr + i, (codes - (ZERO - 0.5 + SHIFT)) * step, mask=valid)
     # code j of a byte in its bits [j b, (j + 1) b)
     grouped = tl.reshape(codes.to(tl.int32), (ROWS, BLOCK // PER_BYTE, PER_BYTE))
     shifts = tl.arange(0, PER_BYTE) * BITS
@@ -185,7 +186,7 @@ def adams_dense_update(param: torch.Tensor, momentum: torch.Tensor, grad: torch.
 
 
 def quantize_blocks(values: torch.Tensor, bits: int, step_per_rms: float, block: int,
-                    scale_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    scale_dtype: torch.dtype, midtread: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if scale_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"quantized scales travel as bf16 or fp32, not {scale_dtype}")
     count = values.numel()
@@ -195,8 +196,9 @@ def quantize_blocks(values: torch.Tensor, bits: int, step_per_rms: float, block:
     read_back = torch.empty(count, dtype=torch.float32, device=values.device)
     if count:
         rows = 16
+        zero, shift, top = code_layout(bits, midtread)
         _quantize_kernel[(triton.cdiv(n_blocks, rows),)](
             values.contiguous(), packed, scale.view(torch.int16) if scale_dtype == torch.bfloat16 else scale,
             read_back, count, n_packed, n_blocks, step_per_rms, BITS=bits, BLOCK=block, ROWS=rows,
-            SCALE_BF16=scale_dtype == torch.bfloat16)
+            SCALE_BF16=scale_dtype == torch.bfloat16, ZERO=zero, SHIFT=shift, TOP=top)
     return packed, scale, read_back

@@ -46,16 +46,21 @@ def roundtrip(obj):
     return torch.load(buffer, weights_only=True)
 
 
-def quantized(values: torch.Tensor, bits: int, scale_dtype: str) -> torch.Tensor:
+def quantized(values: torch.Tensor, bits: int, scale_dtype: str, quantizer: str = "midrise") -> torch.Tensor:
     """What b-bit codes say about ``values``: per 64 values a step of (Max's constant) x RMS,
-    rounded to the scale's dtype; v -> (clamp(floor(v / step) + 2^(b-1), 0, 2^b - 1) - 2^(b-1) + 1/2) step."""
+    rounded to the scale's dtype; mid-rise v -> (clamp(floor(v / step), -2^(b-1), 2^(b-1) - 1) + 1/2) step,
+    mid-tread v -> clamp(floor(v / step + 1/2), -(2^(b-1) - 1), 2^(b-1) - 1) step."""
     blocks = torch.nn.functional.pad(values, (0, (-values.numel()) % 64)).view(-1, 64)
     rms = blocks.square().mean(dim=1).sqrt()
     dtype = torch.bfloat16 if scale_dtype == "bf16" else torch.float32
-    step = (rms * {1: 1.596, 2: 0.9957, 4: 0.3352}[bits]).to(dtype).float()[:, None]
+    midtread = quantizer == "midtread"
+    per_rms = {2: 1.224, 4: 0.3534} if midtread else {1: 1.596, 2: 0.9957, 4: 0.3352}
+    step = (rms * per_rms[bits]).to(dtype).float()[:, None]
     half = 2 ** (bits - 1)
-    codes = (torch.floor(blocks / torch.where(step > 0, step, 1.0)) + half).clamp(0, 2 * half - 1)
-    return ((codes - half + 0.5) * step).reshape(-1)[:values.numel()]
+    ratio = blocks / torch.where(step > 0, step, 1.0)
+    if midtread:
+        return (torch.floor(ratio + 0.5).clamp(1 - half, half - 1) * step).reshape(-1)[:values.numel()]
+    return ((torch.floor(ratio).clamp(-half, half - 1) + 0.5) * step).reshape(-1)[:values.numel()]
 
 
 def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_of, accum: int):
@@ -134,9 +139,9 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
                 e[sel] = 0
             if cfg.value_bits:  # each copy sends its drift as codes and keeps what they leave out
                 if cfg.quantized_collective == "all_gather":
-                    sent = [quantized(d, cfg.value_bits, cfg.value_dtype) for d in drifts]
+                    sent = [quantized(d, cfg.value_bits, cfg.value_dtype, cfg.value_quantizer) for d in drifts]
                 else:  # in C chunks; chunk c's mean is quantized again by copy c
-                    sent = [torch.cat([quantized(part, cfg.value_bits, cfg.value_dtype)
+                    sent = [torch.cat([quantized(part, cfg.value_bits, cfg.value_dtype, cfg.value_quantizer)
                                        for part in d.chunk(copies)]) for d in drifts]
                 kept = [d - q for d, q in zip(drifts, sent)]
                 drifts = sent
@@ -145,7 +150,7 @@ def reference(cfg: OptimizerConfig, steps: int, world: int, max_norm: float, lr_
                 if owner:  # what the mean still owes there joins it before it is quantized again
                     delta = delta + pending[sel]
                 parts = delta.chunk(copies)
-                again = torch.cat([quantized(part, cfg.value_bits, cfg.value_dtype) for part in parts])
+                again = torch.cat([quantized(part, cfg.value_bits, cfg.value_dtype, cfg.value_quantizer) for part in parts])
                 if owner:
                     pending[sel] = delta - again
                 else:
@@ -296,6 +301,12 @@ REFERENCE_CONFIGS = [dict(sparsity=0.9), dict(sparsity=0.8, dense_warmup_steps=3
                           quantized_collective="compressed_all_reduce", sparsity_warmup_steps=4),
                      dict(sparsity=0.97, value_bits=1, quantized_collective="compressed_all_reduce",
                           dense_warmup_steps=3),
+                     # mid-tread codes (a level at 0), through both collectives
+                     dict(sparsity=0.8, mask_rule="cyclic", normalizer="shared", value_bits=2,
+                          value_quantizer="midtread", sparsity_warmup_steps=4),
+                     dict(sparsity=0.6, mask_rule="cyclic", normalizer="shared", density_lr_power=0.5,
+                          min_sparsity=0.75, value_bits=4, value_quantizer="midtread",
+                          quantized_collective="compressed_all_reduce", requantization_error="owner"),
                      # the owner keeps its mean's second quantization error (the dense steps too)
                      dict(sparsity=0.8, normalizer="shared", value_bits=2, quantized_collective="compressed_all_reduce",
                           requantization_error="owner", dense_warmup_steps=3, value_dtype="bf16"),
@@ -591,6 +602,10 @@ RESUME_CONFIGS = [(dict(sparsity=0.9), 4),
                   (dict(sparsity=0.7, mask_rule="cyclic", normalizer="shared", density_lr_power=0.5,
                         min_sparsity=0.72, value_bits=2, value_dtype="bf16",
                         quantized_collective="compressed_all_reduce", requantization_error="owner"), 5),
+                  # ... on mid-tread codes
+                  (dict(sparsity=0.7, mask_rule="cyclic", normalizer="shared", density_lr_power=0.5,
+                        min_sparsity=0.72, value_bits=2, value_dtype="bf16", value_quantizer="midtread",
+                        quantized_collective="compressed_all_reduce", requantization_error="owner"), 4),
                   # ... with the copies taking half their local step
                   (dict(sparsity=0.7, mask_rule="cyclic", normalizer="shared", density_lr_power=0.5,
                         min_sparsity=0.72, value_bits=2, value_dtype="bf16", local_step_scale=0.5,
@@ -1222,6 +1237,13 @@ def test_settings_are_checked_and_the_builders_dispatch():
                 dict(exchange="momentum")):
         with pytest.raises(ValueError, match="value_bits=2 quantizes the drifts only"):
             SparseAverageSynchronizer(make_model(), avg_config(value_bits=2, **bad))
+    for bits in (0, 1):
+        with pytest.raises(ValueError, match=f"value_quantizer=midtread .* needs optimizer.value_bits=2 or 4, not {bits}"):
+            SparseAverageSynchronizer(make_model(), avg_config(value_bits=bits, value_quantizer="midtread"))
+    with pytest.raises(ValueError, match="optimizer.value_quantizer='midriser' is not supported"):
+        SparseAverageSynchronizer(make_model(), avg_config(value_bits=2, value_quantizer="midriser"))
+    with pytest.raises(ValueError, match="optimizer.value_quantizer='midtread' is a sparse_avg option"):
+        scape.build_synchronizer(make_model(), avg_config(name="scape", value_quantizer="midtread"))
     with pytest.raises(ValueError, match="quantized_collective=compressed_all_reduce says how quantized drifts"):
         SparseAverageSynchronizer(make_model(), avg_config(quantized_collective="compressed_all_reduce"))
     with pytest.raises(ValueError, match="optimizer.quantized_collective='ring'"):

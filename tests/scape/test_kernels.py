@@ -111,15 +111,15 @@ def test_adams_dense_update_matches_reference():
     torch.testing.assert_close(m_tri, m_ref, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("bits", (1, 2, 4))
+@pytest.mark.parametrize("bits,midtread", ((1, False), (2, False), (4, False), (2, True), (4, True)))
 @pytest.mark.parametrize("scale_dtype", (torch.bfloat16, torch.float32))
 @pytest.mark.parametrize("count", (37 * 64, 37 * 64 + 21))  # a whole number of blocks, and a partial last one
-def test_quantize_blocks_matches_reference(bits, scale_dtype, count):
-    from scape.quantize import BLOCK, STEP_PER_RMS, dequantize
+def test_quantize_blocks_matches_reference(bits, midtread, scale_dtype, count):
+    from scape.quantize import BLOCK, MIDTREAD_STEP_PER_RMS, STEP_PER_RMS, dequantize
     gen = torch.Generator().manual_seed(bits)
     values = torch.randn(count, generator=gen) * torch.rand(count, generator=gen).square() * 1e-3
     values[5 * BLOCK:6 * BLOCK] = 0.0  # a block of zeros: step 0, read back as zeros
-    args = (bits, STEP_PER_RMS[bits], BLOCK, scale_dtype)
+    args = (bits, (MIDTREAD_STEP_PER_RMS if midtread else STEP_PER_RMS)[bits], BLOCK, scale_dtype, midtread)
     packed, scale, read_back = triton_kernels.quantize_blocks(values, *args)
     ref_packed, ref_scale, ref_back = reference.quantize_blocks(values, *args)
     # the block's sum of squares adds up in another order: an fp32 scale may lie one ulp away
@@ -130,7 +130,7 @@ def test_quantize_blocks_matches_reference(bits, scale_dtype, count):
     assert torch.equal(read_back[agree], ref_back[agree])
     step = ref_scale.float().repeat_interleave(BLOCK)[:count]
     assert ((read_back - ref_back).abs() <= 1.001 * step).all()
-    assert torch.equal(dequantize(packed, scale, bits, count), read_back)  # the receivers read what was kept
+    assert torch.equal(dequantize(packed, scale, bits, count, midtread), read_back)  # the receivers read what was kept
     if agree.all():
         assert torch.equal(packed, ref_packed)
     assert torch.equal(read_back[5 * BLOCK:6 * BLOCK], torch.zeros(BLOCK))
