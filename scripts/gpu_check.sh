@@ -163,14 +163,15 @@ for i, (a, b) in enumerate(zip(fused_params, ref_params)):
 # and code bytes must agree
 from scape.quantize import dequantize, quantize
 drift = 1e-3 * torch.randn(n, device=dev, generator=gen)
-for bits in (1, 2, 4):
-    codes, scales, read_back = quantize(drift, bits, torch.bfloat16)
-    check(f"quantize {bits}-bit: read-back = dequantize", read_back, dequantize(codes, scales, bits, n), exact=True)
-    cpu_codes, cpu_scales, _ = quantize(drift.cpu(), bits, torch.bfloat16)
+for bits, midtread in ((1, False), (2, False), (4, False), (2, True)):
+    name = f"quantize {bits}-bit{' mid-tread' if midtread else ''}"
+    codes, scales, read_back = quantize(drift, bits, torch.bfloat16, midtread)
+    check(f"{name}: read-back = dequantize", read_back, dequantize(codes, scales, bits, n, midtread), exact=True)
+    cpu_codes, cpu_scales, _ = quantize(drift.cpu(), bits, torch.bfloat16, midtread)
     same = min((codes.cpu() == cpu_codes).float().mean().item(), (scales.cpu() == cpu_scales).float().mean().item())
-    print(f"quantize {bits}-bit: {same:.4%} of code bytes and scales as on the CPU: {'ok' if same > 0.999 else 'MISMATCH'}")
+    print(f"{name}: {same:.4%} of code bytes and scales as on the CPU: {'ok' if same > 0.999 else 'MISMATCH'}")
     if same <= 0.999:
-        bad.append(f"quantize {bits}-bit against the CPU")
+        bad.append(f"{name} against the CPU")
 sys.exit(1 if bad else 0)
 PY
 
