@@ -96,7 +96,8 @@ from scape import kernels
 from scape.accounting import VALUE_BYTES, scape_step_bytes
 from scape.config import OptimizerConfig
 from scape.masking import MaskedSynchronizer
-from scape.options import as_dataclass, embedding_denominator_beta, refuse_foreign_keys, validate_config
+from scape.options import (as_dataclass, embedding_denominator_beta, embedding_step_bound, refuse_foreign_keys,
+                           validate_config)
 from scape.quantize import dequantize, packed_nbytes, quantize
 
 NAME = "sparse_avg"
@@ -476,8 +477,11 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             float(cfg.fresh_step_bound), float(cfg.own_denominator_floor),
             None if cfg.denominator_beta is None else float(cfg.denominator_beta),
         ) if cfg.normalizer in ("shared", "revealed", "oracle") or momentum_exchange else None
-        if cfg.embedding_step_bound and self.normalizer is not None:
-            self.normalizer.bounds = self._embedding_bounds(model, float(cfg.embedding_step_bound))
+        table_bound = embedding_step_bound(cfg)
+        if table_bound and self.normalizer is not None:
+            key = "embedding_step_bound" if cfg.embedding_step_bound else "scaled_embedding_step_bound"
+            self.normalizer.bounds = self._per_table(model, self.normalizer.bound, table_bound, key,
+                                                     "bounds the steps on", 0)
         if self.table_step_scale != self.local_step_scale:
             self.step_shares = self._per_table(model, self.local_step_scale, self.table_step_scale,
                                                "embedding_local_step_scale", "sets the copies' share of the step on", 0)
@@ -507,11 +511,6 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self._local_norm: Optional[torch.Tensor] = None
         self._global_sq: Optional[torch.Tensor] = None  # sum over ranks of ||g_i||^2
         self._sent = 0  # coordinates averaged this step
-
-    def _embedding_bounds(self, model: torch.nn.Module, embedding_bound: float) -> torch.Tensor:
-        """The step bound per flat coordinate: ``embedding_bound`` on the embedding tables, the bound elsewhere."""
-        return self._per_table(model, self.normalizer.bound, embedding_bound, "embedding_step_bound",
-                               "bounds the steps on", 0)
 
     def _per_table(self, model: torch.nn.Module, elsewhere: float, on_tables: float, key: str, does: str,
                    off: Any) -> torch.Tensor:

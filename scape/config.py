@@ -118,6 +118,14 @@ class OptimizerConfig(DenseOptimizerConfig):
     # its row's local steps are the ones the bound clamps most (docs/RESULTS.md, "What the step
     # bound protects, and where it binds")
     embedding_step_bound: float = 0.0
+    # the tables' bound where they train faster than the lr (embedding_lr_scale > 1) and
+    # embedding_step_bound is 0; 0 = step_bound there too. A row of a token that only a few
+    # copies' batches hold takes k times the rest's steps at k lr, and the copy's bound lets it
+    # run on those few copies; AdamS's own largest step, 1 / sqrt(1 - b2), keeps it where one
+    # copy training the whole batch would. At k = 1 the same bound costs, so the shipped default
+    # (conf/optimizer/sparse_avg.yaml) follows the table's lr (docs/RESULTS.md, "The table's
+    # bound becomes the default where the table's lr is raised")
+    scaled_embedding_step_bound: float = 0.0
     # f > 0: a copy's local step divides by max(D, its own AdamS denominator / (f copies)). Where
     # one copy holds a coordinate's whole gradient (a token only its batch has) its step is then
     # at most f C times its own AdamS step, and the mean over the copies f times that AdamS step

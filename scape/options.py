@@ -54,7 +54,7 @@ SPARSE_AVG_ONLY_KEYS = ("outer_lr", "outer_momentum", "mask_rule", "normalizer",
                         "ranks_per_copy", "value_bits", "value_quantizer", "quantized_collective", "requantization_error",
                         "local_step_scale", "local_step_scale_power", "embedding_local_step_scale",
                         "embedding_score_scale", "denominator_beta", "embedding_denominator_beta",
-                        "scaled_embedding_denominator_beta", "grad_clip_scope")
+                        "scaled_embedding_denominator_beta", "scaled_embedding_step_bound", "grad_clip_scope")
 LOCAL_MOMENTA = ("own", "consensus")
 MASK_RULES = ("drift", "deviation", "random", "cyclic")
 NORMALIZERS = ("local", "shared", "revealed", "oracle")
@@ -91,6 +91,17 @@ def embedding_denominator_beta(cfg: OptimizerConfig) -> Optional[float]:
     if cfg.scaled_embedding_denominator_beta is not None and embedding_lr_scale(cfg) > 1:
         return float(cfg.scaled_embedding_denominator_beta)
     return None
+
+
+def embedding_step_bound(cfg: OptimizerConfig) -> float:
+    """The bound on the embedding tables' local steps: ``embedding_step_bound``; where that is 0
+    and the tables train faster than the lr (``embedding_lr_scale`` > 1),
+    ``scaled_embedding_step_bound``; 0 = ``step_bound`` (the rest's bound)."""
+    if cfg.embedding_step_bound:
+        return float(cfg.embedding_step_bound)
+    if cfg.scaled_embedding_step_bound and embedding_lr_scale(cfg) > 1:
+        return float(cfg.scaled_embedding_step_bound)
+    return 0.0
 
 
 def _check_memory(cfg: OptimizerConfig, key: str) -> None:
@@ -156,6 +167,11 @@ def validate_config(cfg: OptimizerConfig) -> None:
     if not (isinstance(embedding, (int, float)) and math.isfinite(embedding) and embedding >= 0):
         raise ValueError(f"optimizer.embedding_step_bound={embedding!r} must be a number >= 0 "
                          f"(0 = optimizer.step_bound on the embedding tables too)")
+    scaled = cfg.scaled_embedding_step_bound
+    if not (isinstance(scaled, (int, float)) and not isinstance(scaled, bool) and math.isfinite(scaled)
+            and scaled >= 0):
+        raise ValueError(f"optimizer.scaled_embedding_step_bound={scaled!r} must be a number >= 0 (the bound "
+                         f"on the embedding tables where embedding_lr_scale > 1; 0 = optimizer.step_bound)")
     _choice("average_momentum", cfg.average_momentum, (True, False))
     floor = cfg.own_denominator_floor
     if not (isinstance(floor, (int, float)) and not isinstance(floor, bool) and math.isfinite(floor) and floor >= 0):

@@ -112,14 +112,18 @@ ARMS: Dict[str, Arm] = {arm.name: arm for arm in [
 # default of the eighteenth session), sma99l sma99r with the copies taking min(1, sqrt(4 / copies))
 # of their local step (the default of the nineteenth session), sma99m optimizer=sparse_avg as it
 # ships until the twenty-sixth session (sma99l with the milder slope (4 / copies)^0.37), sma99e
-# optimizer=sparse_avg as it ships (sma99m with the table's memory 0.2 where its lr is raised).
+# optimizer=sparse_avg as it ships until the twenty-ninth session (sma99m with the table's memory
+# 0.2 where its lr is raised), sma99t optimizer=sparse_avg as it ships (sma99e with the table's
+# bound 4.47 where its lr is raised).
 # Every sma arm before sma99c keeps the bound it was measured with, AdamS's largest step
 # 1 / sqrt(1 - b2) on any copy count.
 _BOUND_BEFORE = ("optimizer.step_bound=4.47213595499958",)
 # Every sma arm before sma99l takes the whole local step on any copy count, as it was measured.
 _WHOLE_STEP = ("optimizer.local_step_scale=1",)
 # Every sma arm before sma99e keeps the rest's memory on the table at any table lr (elrX parts).
-_NO_TABLE_MEMORY = ("optimizer.scaled_embedding_denominator_beta=null",)
+# Every sma arm before sma99t keeps the rest's bound on the table at any table lr (elrX parts).
+_NO_TABLE_BOUND = ("optimizer.scaled_embedding_step_bound=0",)
+_NO_TABLE_MEMORY = ("optimizer.scaled_embedding_denominator_beta=null", *_NO_TABLE_BOUND)
 _BF16_DRIFTS = ("optimizer.value_bits=0", "optimizer.quantized_collective=all_gather",
                 "optimizer.sparsity_warmup_steps=100", *_BOUND_BEFORE, *_WHOLE_STEP, *_NO_TABLE_MEMORY)
 for _pct, _sparsity in (("90", "0.9"), ("99", "0.99")):
@@ -169,9 +173,15 @@ ARMS["sma99m"] = Arm("sma99m", "sparse model averaging, density ~ sqrt(lr), copi
                      "with the milder slope min(1, (4 / copies)^0.37) (the whole step up to 4 copies, 0.77 on "
                      "8, 0.6 on 16)", False)
 ARMS["sma99e"] = Arm("sma99e", "sparse model averaging, density ~ sqrt(lr), the table's memory follows its lr",
+                     ("optimizer=sparse_avg", *_NO_TABLE_BOUND),
+                     "optimizer=sparse_avg's defaults from the twenty-sixth to the twenty-eighth session: sma99m "
+                     "with the shared denominator's memory 0.2 on the embedding table where the table trains "
+                     "faster than the lr (elrX), 0.95 elsewhere", False)
+ARMS["sma99t"] = Arm("sma99t", "sparse model averaging, density ~ sqrt(lr), the table's memory and bound follow its lr",
                      ("optimizer=sparse_avg",),
-                     "optimizer=sparse_avg as it ships: sma99m with the shared denominator's memory 0.2 on the "
-                     "embedding table where the table trains faster than the lr (elrX), 0.95 elsewhere", False)
+                     "optimizer=sparse_avg as it ships: sma99e with the local steps on the embedding table bounded "
+                     "at AdamS's own largest step 1 / sqrt(1 - b2) = 4.47 where the table trains faster than the "
+                     "lr (elrX); sqrt(copies / (1 - b2)) elsewhere", False)
 
 
 # Composed SCAPE arms, named by their recipe: scape99+post+cap32+warm20 (see compose_arm).
@@ -254,7 +264,7 @@ _PART_NAME = re.compile(r"([a-z]+?)((?:\d+\.?\d*|\.\d+)(?:e-?\d+)?)?")
 def compose_arm(name: str) -> Optional[Arm]:
     """An arm named by its recipe, ``base+part+part...``: base scape90 / scape99 (the spec's rule at
     that sparsity), sma90 / sma99 (sparse model averaging, bf16 drifts), sma99q / sma99s (2-bit drifts at
-    bf16-at-99%'s / SCAPE-99's bytes, the bound 1 / sqrt(1 - b2)), sma99c (with the bound by the copies), sma99o (the owners keep the re-quantization error), sma99r (the density following sqrt(lr)), sma99l (the copies taking sqrt(4 / C) of their step), sma99m ((4 / C)^0.37), sma99e (optimizer=sparse_avg's defaults: the table's memory follows its lr) or adams / adamw; parts: post, capN /
+    bf16-at-99%'s / SCAPE-99's bytes, the bound 1 / sqrt(1 - b2)), sma99c (with the bound by the copies), sma99o (the owners keep the re-quantization error), sma99r (the density following sqrt(lr)), sma99l (the copies taking sqrt(4 / C) of their step), sma99m ((4 / C)^0.37), sma99e (the table's memory follows its lr), sma99t (optimizer=sparse_avg's defaults: its bound too) or adams / adamw; parts: post, capN /
     lrsumN (catch-up capped at N; 0 = 1 / density), warmN, clip, noclip, gcN (clipped at N), lrX, and for sparse
     averaging omX / olrX (outer Nesterov momentum / outer lr), dev / rand / cyc / topk (mask rule), shnorm / rvnorm / lnorm (one shared
     denominator from the drift / from momenta sent beside it / each rank's own), ornorm (D from every
@@ -269,7 +279,7 @@ def compose_arm(name: str) -> Optional[Arm]:
     elif base in ("sma90", "sma99"):
         overrides, label = (["optimizer=sparse_avg", f"optimizer.sparsity=0.{base[-2:]}", *_BF16_DRIFTS],
                             f"sparse avg {base[-2:]}%")
-    elif base in ("sma99q", "sma99s", "sma99c", "sma99o", "sma99r", "sma99l", "sma99m", "sma99e"):
+    elif base in ("sma99q", "sma99s", "sma99c", "sma99o", "sma99r", "sma99l", "sma99m", "sma99e", "sma99t"):
         overrides, label = list(ARMS[base].overrides), ARMS[base].label
     elif base in ("adams", "adamw"):
         overrides, label = [f"optimizer={base}"], {"adams": "AdamS", "adamw": "AdamW"}[base]
@@ -577,7 +587,7 @@ PRESETS = {
              "lrs": "1e-3,2e-3,3e-3,6e-3", "seeds": "1337,1"},
     # the same protocol with the embedding table at 16 lr, each arm's best multiple: AdamS, sparse
     # averaging as it ships (SCAPE-99's bytes) and at density 1 with its 2-bit codes (a 90% method)
-    "fair_table": {"arms": "adams+elr16,sma99e+elr16,sma99e+sp0+minsp0+lrpow0+elr16",
+    "fair_table": {"arms": "adams+elr16,sma99t+elr16,sma99t+sp0+minsp0+lrpow0+elr16",
                    "lrs": "1e-3,2e-3,3e-3,4e-3", "seeds": "1337,1"},
 }
 

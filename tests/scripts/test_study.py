@@ -92,17 +92,27 @@ def test_composed_arms_follow_their_recipe_and_bad_names_are_refused(monkeypatch
     for name in ("sma90", "sma99", "sma0", "sma99q", "sma99s", "sma99s+q2"):
         arm = study.ARMS.get(name) or study.compose_arm(name)
         assert float(dict(i.split("=", 1) for i in arm.overrides)["optimizer.step_bound"]) == pytest.approx(old_bound), name
-    assert study.ARMS["sma99e"].overrides == ("optimizer=sparse_avg",)
-    assert study.compose_arm("sma99e+lr2e-3").overrides == ("optimizer=sparse_avg", "optimizer.lr=2e-3")
+    assert study.ARMS["sma99t"].overrides == ("optimizer=sparse_avg",)
+    assert study.compose_arm("sma99t+lr2e-3").overrides == ("optimizer=sparse_avg", "optimizer.lr=2e-3")
+    # every arm before it keeps the rest's bound on the table at any table lr, as measured; an
+    # explicit table bound (embN) still sets it
+    assert study.ARMS["sma99e"].overrides == ("optimizer=sparse_avg", "optimizer.scaled_embedding_step_bound=0")
+    for name in ("sma90", "sma99", "sma0", "sma99q", "sma99s", "sma99c", "sma99o", "sma99r", "sma99l", "sma99m",
+                 "sma99e+elr16", "sma99+elr16"):
+        arm = study.ARMS.get(name) or study.compose_arm(name)
+        assert dict(i.split("=", 1) for i in arm.overrides)["optimizer.scaled_embedding_step_bound"] == "0", name
+    assert dict(i.split("=", 1) for i in study.compose_arm("sma99e+emb4.47").overrides)["optimizer.embedding_step_bound"] == "4.47"
     # every arm before it keeps the rest's memory on the table at any table lr, as measured
     for name in ("sma90", "sma99", "sma0", "sma99q", "sma99s", "sma99c", "sma99o", "sma99r", "sma99l", "sma99m",
                  "sma99m+elr16", "sma99+elr16"):
         arm = study.ARMS.get(name) or study.compose_arm(name)
         assert dict(i.split("=", 1) for i in arm.overrides)["optimizer.scaled_embedding_denominator_beta"] == "null"
-    assert study.ARMS["sma99m"].overrides == ("optimizer=sparse_avg", "optimizer.scaled_embedding_denominator_beta=null")
+    assert study.ARMS["sma99m"].overrides == ("optimizer=sparse_avg", "optimizer.scaled_embedding_denominator_beta=null",
+                                              "optimizer.scaled_embedding_step_bound=0")
     # sma99l keeps the nineteenth session's slope, sqrt(4 / copies)
     assert study.ARMS["sma99l"].overrides == ("optimizer=sparse_avg", "optimizer.local_step_scale_power=0.5",
-                                              "optimizer.scaled_embedding_denominator_beta=null")
+                                              "optimizer.scaled_embedding_denominator_beta=null",
+                                              "optimizer.scaled_embedding_step_bound=0")
     slope = dict(i.split("=", 1) for i in study.compose_arm("sma99r+lsp0.5").overrides)
     assert (slope["optimizer.local_step_scale"], slope["optimizer.local_step_scale_power"]) == ("0", "0.5")
     # every arm before it takes the whole local step on any copy count, as measured; a part overrides
@@ -125,7 +135,8 @@ def test_composed_arms_follow_their_recipe_and_bad_names_are_refused(monkeypatch
     # the default before keeps the owners' re-quantization error in their copies
     assert study.ARMS["sma99c"].overrides == ("optimizer=sparse_avg", "optimizer.requantization_error=copy",
                                               "optimizer.local_step_scale=1",
-                                              "optimizer.scaled_embedding_denominator_beta=null")
+                                              "optimizer.scaled_embedding_denominator_beta=null",
+                                              "optimizer.scaled_embedding_step_bound=0")
     bounded = dict(i.split("=", 1) for i in study.compose_arm("sma99s+bound13").overrides)
     assert bounded["optimizer.step_bound"] == "13" and bounded["optimizer.sparsity"] == "0.787"
     assert "optimizer.step_bound" not in dict(i.split("=", 1) for i in study.compose_arm("sma99c+sp0.9").overrides)
@@ -190,7 +201,7 @@ def test_presets_set_arms_lrs_and_seeds_and_every_arm_composes():
             assert arm in study.ARMS or study.compose_arm(arm) is not None, (name, arm)
     table = study.parse_args(["--preset", "fair_table", "--arms", "adams+elr16", "--lrs", "2e-3"])
     assert table.lrs == [2e-3] and table.seeds == [1337, 1]  # given flags win over the preset's
-    overrides = dict(i.split("=", 1) for i in study.compose_arm("sma99e+elr16").overrides)
+    overrides = dict(i.split("=", 1) for i in study.compose_arm("sma99t+elr16").overrides)
     assert overrides == {"optimizer": "sparse_avg", "optimizer.embedding_lr_scale": "16"}
 
 
