@@ -993,6 +993,28 @@ def _the_tables_bound_follows_its_lr(rank: int, world: int) -> None:
     both = SparseAverageSynchronizer(TokenModel(), avg_config(**base, embedding_lr_scale=4.0, embedding_step_bound=2.0,
                                                               scaled_embedding_step_bound=0.5))
     assert sorted(set(both.normalizer.bounds.tolist())) == pytest.approx(sorted([2.0, rest]))
+    # resume is exact: 3 steps, the three state dicts through bytes, into a new model, 3 more
+    resumable = dict(sparsity=0.7, mask_rule="cyclic", normalizer="shared", value_bits=2, value_dtype="bf16",
+                     quantized_collective="compressed_all_reduce", requantization_error="owner",
+                     embedding_lr_scale=4.0, scaled_embedding_step_bound=0.5)
+
+    def steps(sync, first, last):
+        for step in range(first, last + 1):
+            ids = torch.randint(0, 16, (4, 3), generator=torch.Generator().manual_seed(100 * step + rank))
+            train_step(sync.train_module, sync, iter([(ids, ids[:, 0] % 3)]), 1, 1e-2, 1.0, sync.comm)
+
+    whole = SparseAverageSynchronizer(TokenModel(), avg_config(**resumable))
+    steps(whole, 1, 6)
+    split = SparseAverageSynchronizer(TokenModel(), avg_config(**resumable))
+    steps(split, 1, 3)
+    saved = roundtrip({"model": split.model_state_dict(), "replicated": split.state_dict(),
+                       "local": split.local_state_dict()})
+    resumed = SparseAverageSynchronizer(TokenModel(), avg_config(**resumable))
+    resumed.load_model_state_dict(saved["model"])
+    resumed.load_state_dict(saved["replicated"])
+    resumed.load_local_state_dict(saved["local"])
+    steps(resumed, 4, 6)
+    assert torch.equal(resumed.flat.data, whole.flat.data) and torch.equal(resumed.consensus, whole.consensus)
 
 
 def test_the_tables_bound_follows_the_tables_lr():
