@@ -911,31 +911,40 @@ def test_the_tables_denominator_has_its_own_memory():
         SparseAverageSynchronizer(TokenModel(), avg_config(embedding_denominator_beta=0.5))
 
 
-def _the_tables_memory_follows_its_lr(rank: int, world: int) -> None:
-    """scaled_embedding_denominator_beta b_s is the table's memory only where the table trains
-    faster than the lr: with embedding_lr_scale 4 two copies train bit for bit as with
-    embedding_denominator_beta=b_s (and not as without it); at the lr it changes nothing (D's
-    memory stays one float); an explicit embedding_denominator_beta wins over it."""
+def _scaled_key_acts_at_a_raised_table_lr(rank: int, scaled: str, explicit: str, value: float, read) -> dict:
+    """Two copies, 5 steps: with embedding_lr_scale 4 the key ``scaled`` = value trains bit for bit
+    as ``explicit`` = value (and not as with neither); at the lr it changes nothing. Returns
+    ``read(normalizer)`` of each arm."""
     from trainer.step import train_step
 
     base = dict(sparsity=0.5, mask_rule="cyclic", normalizer="shared", value_dtype="fp32", value_bits=0)
-    arms = {"scaled": dict(embedding_lr_scale=4.0, scaled_embedding_denominator_beta=0.3),
-            "explicit": dict(embedding_lr_scale=4.0, embedding_denominator_beta=0.3),
-            "none": dict(embedding_lr_scale=4.0),
-            "scaled_at_lr": dict(scaled_embedding_denominator_beta=0.3),
-            "none_at_lr": dict()}
+    arms = {"scaled": {"embedding_lr_scale": 4.0, scaled: value},
+            "explicit": {"embedding_lr_scale": 4.0, explicit: value},
+            "none": {"embedding_lr_scale": 4.0},
+            "scaled_at_lr": {scaled: value},
+            "none_at_lr": {}}
     trained = {}
     for name, overrides in arms.items():
         sync = SparseAverageSynchronizer(TokenModel(), avg_config(**base, **overrides))
         for step in range(1, 6):
             ids = torch.randint(0, 16, (4, 3), generator=torch.Generator().manual_seed(100 * step + rank))
             train_step(sync.train_module, sync, iter([(ids, ids[:, 0] % 3)]), 1, 1e-2, 1.0, sync.comm)
-        trained[name] = (sync.flat.data.clone(), sync.consensus.clone(), sync.normalizer.memory)
+        trained[name] = (sync.flat.data.clone(), sync.consensus.clone(), read(sync.normalizer))
     for a, b in (("scaled", "explicit"), ("scaled_at_lr", "none_at_lr")):
         assert torch.equal(trained[a][0], trained[b][0]) and torch.equal(trained[a][1], trained[b][1]), (a, b)
     assert not torch.equal(trained["scaled"][0], trained["none"][0])
-    assert isinstance(trained["scaled_at_lr"][2], float)
-    assert sorted(set(trained["scaled"][2].tolist())) == pytest.approx([0.3, 0.95])
+    return {name: arm[2] for name, arm in trained.items()}
+
+
+def _the_tables_memory_follows_its_lr(rank: int, world: int) -> None:
+    """scaled_embedding_denominator_beta b_s is the table's memory only where the table trains
+    faster than the lr (D's memory stays one float at the lr); an explicit
+    embedding_denominator_beta wins over it."""
+    memory = _scaled_key_acts_at_a_raised_table_lr(rank, "scaled_embedding_denominator_beta",
+                                                   "embedding_denominator_beta", 0.3, lambda n: n.memory)
+    assert isinstance(memory["scaled_at_lr"], float)
+    assert sorted(set(memory["scaled"].tolist())) == pytest.approx([0.3, 0.95])
+    base = dict(sparsity=0.5, mask_rule="cyclic", normalizer="shared", value_dtype="fp32", value_bits=0)
     both = SparseAverageSynchronizer(TokenModel(), avg_config(**base, embedding_lr_scale=4.0, embedding_denominator_beta=0.5,
                                                               scaled_embedding_denominator_beta=0.3))
     assert sorted(set(both.normalizer.memory.tolist())) == pytest.approx([0.5, 0.95])
@@ -966,30 +975,16 @@ def test_the_shipped_tables_memory_is_on_only_at_a_larger_table_lr():
 
 def _the_tables_bound_follows_its_lr(rank: int, world: int) -> None:
     """scaled_embedding_step_bound b_s bounds the table's local steps only where the table trains
-    faster than the lr: with embedding_lr_scale 4 two copies train bit for bit as with
-    embedding_step_bound=b_s (and not as without it, the bound binding); at the lr it changes
-    nothing (one bound for every coordinate); an explicit embedding_step_bound wins over it."""
+    faster than the lr (one bound for every coordinate at the lr; b_s = 0.5 binds); an explicit
+    embedding_step_bound wins over it; resume is exact with it on."""
     from trainer.step import train_step
 
+    bounds = _scaled_key_acts_at_a_raised_table_lr(rank, "scaled_embedding_step_bound", "embedding_step_bound",
+                                                   0.5, lambda n: n.bounds)
+    assert bounds["scaled_at_lr"] is None
     base = dict(sparsity=0.5, mask_rule="cyclic", normalizer="shared", value_dtype="fp32", value_bits=0)
-    arms = {"scaled": dict(embedding_lr_scale=4.0, scaled_embedding_step_bound=0.5),
-            "explicit": dict(embedding_lr_scale=4.0, embedding_step_bound=0.5),
-            "none": dict(embedding_lr_scale=4.0),
-            "scaled_at_lr": dict(scaled_embedding_step_bound=0.5),
-            "none_at_lr": dict()}
-    trained = {}
-    for name, overrides in arms.items():
-        sync = SparseAverageSynchronizer(TokenModel(), avg_config(**base, **overrides))
-        for step in range(1, 6):
-            ids = torch.randint(0, 16, (4, 3), generator=torch.Generator().manual_seed(100 * step + rank))
-            train_step(sync.train_module, sync, iter([(ids, ids[:, 0] % 3)]), 1, 1e-2, 1.0, sync.comm)
-        trained[name] = (sync.flat.data.clone(), sync.consensus.clone(), sync.normalizer.bounds)
-    for a, b in (("scaled", "explicit"), ("scaled_at_lr", "none_at_lr")):
-        assert torch.equal(trained[a][0], trained[b][0]) and torch.equal(trained[a][1], trained[b][1]), (a, b)
-    assert not torch.equal(trained["scaled"][0], trained["none"][0])
-    assert trained["scaled_at_lr"][2] is None
     rest = SparseAverageSynchronizer(TokenModel(), avg_config(**base)).normalizer.bound
-    assert sorted(set(trained["scaled"][2].tolist())) == pytest.approx(sorted([0.5, rest]))
+    assert sorted(set(bounds["scaled"].tolist())) == pytest.approx(sorted([0.5, rest]))
     both = SparseAverageSynchronizer(TokenModel(), avg_config(**base, embedding_lr_scale=4.0, embedding_step_bound=2.0,
                                                               scaled_embedding_step_bound=0.5))
     assert sorted(set(both.normalizer.bounds.tolist())) == pytest.approx(sorted([2.0, rest]))
