@@ -96,11 +96,13 @@ def embedding_denominator_beta(cfg: OptimizerConfig) -> Optional[float]:
 def embedding_step_bound(cfg: OptimizerConfig) -> float:
     """The bound on the embedding tables' local steps: ``embedding_step_bound``; where that is 0
     and the tables train faster than the lr (``embedding_lr_scale`` > 1),
-    ``scaled_embedding_step_bound``; 0 = ``step_bound`` (the rest's bound)."""
+    ``scaled_embedding_step_bound``; 0 = ``step_bound`` (the rest's bound). The scaled key only
+    tightens: a hand-set ``step_bound`` below it holds on the tables too."""
     if cfg.embedding_step_bound:
         return float(cfg.embedding_step_bound)
-    if cfg.scaled_embedding_step_bound and embedding_lr_scale(cfg) > 1:
-        return float(cfg.scaled_embedding_step_bound)
+    scaled = float(cfg.scaled_embedding_step_bound)
+    if scaled and embedding_lr_scale(cfg) > 1 and not 0 < cfg.step_bound < scaled:
+        return scaled
     return 0.0
 
 
@@ -215,7 +217,7 @@ def validate_config(cfg: OptimizerConfig) -> None:
     _choice("value_quantizer", cfg.value_quantizer, VALUE_QUANTIZERS)
     if cfg.value_quantizer == "midtread" and cfg.value_bits not in MIDTREAD_BITS:
         raise ValueError(f"optimizer.value_quantizer=midtread has 2^b - 1 levels, one of them 0; it needs "
-                         f"optimizer.value_bits=2 or 4, not {cfg.value_bits}")
+                         f"optimizer.value_bits={' or '.join(map(str, MIDTREAD_BITS))}, not {cfg.value_bits}")
     _choice("quantized_collective", cfg.quantized_collective, QUANTIZED_COLLECTIVES)
     if cfg.quantized_collective != "all_gather" and not cfg.value_bits:
         raise ValueError(f"optimizer.quantized_collective={cfg.quantized_collective} says how quantized drifts "

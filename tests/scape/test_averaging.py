@@ -1027,6 +1027,11 @@ def test_the_shipped_tables_bound_is_on_only_at_a_larger_table_lr():
                                                      "optimizer.embedding_step_bound=6")) == 6
     assert embedding_step_bound(_composed_sparse_avg(300, "optimizer.embedding_lr_scale=16",
                                                      "optimizer.scaled_embedding_step_bound=0")) == 0
+    # it only tightens: a hand-set step_bound below it holds on the table too, one above it does not
+    assert embedding_step_bound(_composed_sparse_avg(300, "optimizer.embedding_lr_scale=16",
+                                                     "optimizer.step_bound=3")) == 0
+    assert embedding_step_bound(_composed_sparse_avg(300, "optimizer.embedding_lr_scale=16",
+                                                     "optimizer.step_bound=1000")) == 4.47
     local = _composed_sparse_avg(300, "optimizer.normalizer=local", "optimizer.step_bound=0")
     assert SparseAverageSynchronizer(TokenModel(), local).normalizer is None
     for bad in (-1, float("inf"), True):
