@@ -5,6 +5,12 @@
     sudo python scripts/bench_network.py --rates 1gbit --time-to-loss 40 --step-cap 160
     sudo python scripts/bench_network.py --rates 1gbit --ranks-per-host 2 --arms adams,sma99,sma99_copy_per_host
     sudo python scripts/bench_network.py --rates 1gbit,100mbit --arms adams,scape99,sparse_avg --steps 24 --warmup 12
+    sudo python scripts/bench_network.py --rates 1gbit --arms adams,scape99,sparse_avg --steps 12 --wire-check 4
+
+Wire mode (``--wire-check S``): every arm runs ``--steps`` and S steps; the bytes both ends of the
+veth transmitted (the kernel's ``tx_bytes``) in the longer run minus the shorter are the extra
+steps' bytes on the wire, and must lie between the trainer's counted bytes for those steps and
+``--overhead-bound`` (10%) above them; the exit status is 1 otherwise.
 
 The dense baseline is the one users run: AdamS with its gradient all-reduce overlapped with
 backward (``optimizer.grad_sync=ddp``, arm ``adams``); ``adams_after_backward`` is the
@@ -78,6 +84,7 @@ ARMS: Dict[str, List[str]] = {
                             "optimizer.ranks_per_copy={ranks_per_host}"],
 }
 DENSE_ARMS = ("adams", "adams_after_backward")
+WIRE_NAMES = {"adams": "adams_ddp"}  # the names of docs/results/network_wire.json
 
 
 def arm_overrides(arm: str) -> List[str]:
@@ -158,6 +165,11 @@ class LinkedNamespaces:
             sh("ip", "netns", "del", name, check=False)
         self.created.clear()
 
+    def tx_bytes(self) -> Dict[str, int]:
+        """Bytes each end of the veth pair has transmitted (the kernel's counter, headers included)."""
+        return {side: int(self.run_in(side, "cat", f"/sys/class/net/{self.dev[side]}/statistics/tx_bytes")
+                          .stdout.strip()) for side in "ab"}
+
     def run_in(self, side: str, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
         return sh("ip", "netns", "exec", self.ns[side], *cmd, check=check)
 
@@ -237,21 +249,22 @@ def totals_to(records: List[dict], step: int) -> Dict[str, float]:
             "bytes_per_rank": sum(float(r.get("comm/bytes_total", 0.0)) for r in timed.values())}
 
 
-def run_arm(link: LinkedNamespaces, arm: str, args: argparse.Namespace, run_root: Path, label: str,
+def _launch(link: LinkedNamespaces, arm: str, args: argparse.Namespace, run_root: Path, run_name: str,
             extra: Sequence[str] = (), stop_at: Optional[float] = None) -> dict:
-    """One training run of ``--ranks-per-host`` ranks on each side of the link; returns the
-    per-step timing medians. Ranks on the same side talk over that namespace's loopback route
-    (the veth address is local there), so only traffic between the sides is shaped.
+    """One training run of ``--ranks-per-host`` ranks on each side of the link; returns its
+    metrics records, its summary and the bytes each end of the veth pair transmitted meanwhile.
+    Ranks on the same side talk over that namespace's loopback route (the veth address is local
+    there), so only traffic between the sides is shaped and counted on the veth.
 
     ``stop_at``: a validation loss; once rank 0 logs one at or below it the ranks are asked to
     stop (SIGTERM: a clean stop at the next step boundary).
     """
-    run_name = f"{label}-{arm}"
     overrides = [*model_overrides(args), *(o.format(ranks_per_host=args.ranks_per_host) for o in arm_overrides(arm)),
                  *extra, f"out_dir={run_root}", f"run_name={run_name}"]
     port = str(29500 + (os.getpid() % 400))
     procs, logs = [], []
     per_host = args.ranks_per_host
+    tx_before = link.tx_bytes()
     for rank in range(2 * per_host):
         side = "ab"[rank // per_host]
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank % per_host), WORLD_SIZE=str(2 * per_host),
@@ -266,8 +279,20 @@ def run_arm(link: LinkedNamespaces, arm: str, args: argparse.Namespace, run_root
         procs.append(proc)
         logs.append(sink)
     metrics_path = run_root / run_name / "metrics.jsonl"
+    _wait(procs, metrics_path, args.timeout, stop_at)
+    tx_after = link.tx_bytes()
+    if any(p.returncode != 0 for p in procs):
+        raise RuntimeError(f"{run_name}: exit codes {[p.returncode for p in procs]}; rank 0 said:\n"
+                           + "".join(logs[0][-30:]) + "\nthe last rank said:\n" + "".join(logs[-1][-15:]))
+    return {"records": _records(metrics_path),
+            "summary": json.loads((run_root / run_name / "summary.json").read_text()),
+            "tx_bytes": {side: tx_after[side] - tx_before[side] for side in "ab"}}
+
+
+def _wait(procs: List[subprocess.Popen], metrics_path: Path, timeout: float, stop_at: Optional[float]) -> None:
+    """Wait for the ranks (SIGTERM once the target loss is logged); kill whatever outlives ``timeout``."""
     try:
-        deadline = time.time() + args.timeout
+        deadline = time.time() + timeout
         stopping = False
         while any(p.poll() is None for p in procs) and time.time() < deadline:
             time.sleep(0.5)
@@ -282,10 +307,15 @@ def run_arm(link: LinkedNamespaces, arm: str, args: argparse.Namespace, run_root
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-    if any(p.returncode != 0 for p in procs):
-        raise RuntimeError(f"{run_name}: exit codes {[p.returncode for p in procs]}; rank 0 said:\n"
-                           + "".join(logs[0][-30:]) + "\nthe last rank said:\n" + "".join(logs[-1][-15:]))
-    records = _records(metrics_path)
+
+
+def run_arm(link: LinkedNamespaces, arm: str, args: argparse.Namespace, run_root: Path, label: str,
+            extra: Sequence[str] = (), stop_at: Optional[float] = None) -> dict:
+    """One run of ``arm`` (``_launch``); returns the per-step timing medians after the warm-up,
+    the bytes its counters summed and the bytes the veth transmitted (per rank, whole run)."""
+    run_name = f"{label}-{arm}"
+    launched = _launch(link, arm, args, run_root, run_name, extra, stop_at)
+    records, summary = launched["records"], launched["summary"]
     timed = [r for r in records if "perf/step_time_s" in r and r["step"] > args.warmup]
     if not timed:
         raise RuntimeError(f"{run_name}: no step after the {args.warmup} warm-up steps was logged")
@@ -293,7 +323,6 @@ def run_arm(link: LinkedNamespaces, arm: str, args: argparse.Namespace, run_root
     def median(key: str) -> float:
         return round(statistics.median(float(r.get(key, 0.0)) for r in timed), 4)
 
-    summary = json.loads((run_root / run_name / "summary.json").read_text())
     return {"parameters": summary.get("parameters"), "step_time_s": median("perf/step_time_s"), "fwd_bwd_s": median("perf/time_fwd_bwd_s"),
             "comm_s": median("perf/time_comm_s"), "opt_s": median("perf/time_opt_s"),
             "bytes_per_step": median("comm/bytes_total"),
@@ -301,8 +330,49 @@ def run_arm(link: LinkedNamespaces, arm: str, args: argparse.Namespace, run_root
             "bytes_per_step_by_kind": {key[len("comm/bytes_"):]: median(key) for key in sorted(timed[-1])
                                        if key.startswith("comm/bytes_") and key[len("comm/bytes_"):] not in
                                        ("total", "cumulative")},
+            "counted_bytes_per_rank": summary.get("bytes_sent_per_rank"),
+            "veth_tx_bytes_per_rank": per_rank(launched["tx_bytes"], args.ranks_per_host),
             "steps_timed": len(timed),
             "step_times_s": [round(float(r["perf/step_time_s"]), 4) for r in timed], "records": records}
+
+
+def per_rank(tx_bytes: Dict[str, int], ranks_per_host: int) -> float:
+    """The veth's transmitted bytes of both ends, per rank (each end carries its host's ranks)."""
+    return (tx_bytes["a"] + tx_bytes["b"]) / (2 * ranks_per_host)
+
+
+def wire_entry(arm: str, long: dict, short: dict, ranks_per_host: int, bound: float) -> dict:
+    """Counted against transmitted bytes of the steps one run has beyond the other.
+
+    Both runs pay the same start-up and end (rendezvous, DDP's initial broadcast, the final
+    validation and checkpoint), none of which is a training step's traffic: their difference
+    leaves the extra steps' bytes, which the trainer's counter (``comm/bytes_total``) must
+    account for up to the protocol's headers and acknowledgements (``bound``)."""
+    counted = long["summary"]["bytes_sent_per_rank"] - short["summary"]["bytes_sent_per_rank"]
+    measured = per_rank(long["tx_bytes"], ranks_per_host) - per_rank(short["tx_bytes"], ranks_per_host)
+    ratio = measured / counted if counted else float("inf")
+    return {"arm": WIRE_NAMES.get(arm, arm), "counted_bytes": int(round(counted)), "measured_bytes": int(round(measured)),
+            "ratio": round(ratio, 4), "within_bound": 1.0 <= ratio <= 1.0 + bound,
+            "steps": [short["summary"]["step"], long["summary"]["step"]],
+            "whole_run": {"counted_bytes": int(round(long["summary"]["bytes_sent_per_rank"])),
+                          "measured_bytes": int(round(per_rank(long["tx_bytes"], ranks_per_host)))}}
+
+
+def wire_check(link: LinkedNamespaces, args: argparse.Namespace, arms: Sequence[str], run_root: Path,
+               label: str) -> List[dict]:
+    """Every arm twice, for ``--steps`` and ``--wire-check`` steps: counted and transmitted bytes
+    of the steps between (``wire_entry``), printed side by side."""
+    short_args = argparse.Namespace(**{**vars(args), "steps": args.wire_check})
+    out = []
+    for arm in arms:
+        long = _launch(link, arm, args, run_root, f"{label}-wire-{arm}")
+        short = _launch(link, arm, short_args, run_root, f"{label}-wire-short-{arm}")
+        entry = wire_entry(arm, long, short, args.ranks_per_host, args.overhead_bound)
+        print(f"[bench] wire {entry['arm']}: steps {entry['steps'][0] + 1}..{entry['steps'][1]} counted "
+              f"{entry['counted_bytes']:,} B per rank, veth transmitted {entry['measured_bytes']:,} B "
+              f"(x{entry['ratio']:.4f}; the bound is x1 to x{1 + args.overhead_bound:g})", flush=True)
+        out.append(entry)
+    return out
 
 
 def prepare_corpus(args: argparse.Namespace) -> None:
@@ -349,6 +419,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=None,
                         help="peak learning rate of every arm (default: each optimizer config's own)")
     parser.add_argument("--lr-warmup", type=int, default=2, help="learning-rate warm-up steps")
+    parser.add_argument("--wire-check", type=int, default=0, metavar="S",
+                        help="wire mode: every arm runs --steps and S steps; the veth's transmitted bytes of "
+                             "the steps between are checked against the trainer's counted bytes")
+    parser.add_argument("--overhead-bound", type=float, default=0.10,
+                        help="wire mode: transmitted bytes may exceed the counted ones by this fraction "
+                             "(TCP/IP headers and acknowledgements), never fall below them")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     parser.add_argument("--keep-runs", action="store_true", help="keep the run folders (in a temp dir)")
     args = parser.parse_args(argv)
@@ -365,11 +441,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         if args.reference not in ARMS:
             parser.error(f"unknown --reference {args.reference!r}; choose from {', '.join(ARMS)}")
         args.steps = args.step_cap
+    if args.wire_check and not 0 < args.wire_check < args.steps:
+        parser.error("--wire-check S needs 0 < S < --steps (the check counts the steps between)")
+    if args.wire_check and (args.time_to_loss or len(args.rates.split(",")) != 1):
+        parser.error("--wire-check runs on one link: give one --rates value and no --time-to-loss")
     if args.ranks_per_host < 1:
         parser.error("--ranks-per-host must be at least 1")
     if "sma99_copy_per_host" in args.arms.split(",") and args.ranks_per_host < 2:
         parser.error("arm sma99_copy_per_host needs --ranks-per-host 2 or more (one rank per host is arm sma99)")
-    if args.steps <= args.warmup:
+    if args.steps <= args.warmup and not args.wire_check:
         parser.error("--steps must exceed --warmup")
     return args
 
@@ -432,6 +512,42 @@ def time_to_loss(link: LinkedNamespaces, args: argparse.Namespace, arms: Sequenc
     return out
 
 
+def wire_report(args: argparse.Namespace, argv: Optional[Sequence[str]], arms: List[dict]) -> dict:
+    """docs/results/network_wire.json: counted and transmitted bytes per arm, and the bound."""
+    return {"benchmark": "bench_network_wire",
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": "python scripts/bench_network.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "link": f"veth pair between two network namespaces, {args.rates} (tc tbf on both ends; 'none' = "
+                    f"unshaped), gloo over TCP, {args.ranks_per_host} rank(s) per namespace",
+            "overhead_bound": args.overhead_bound,
+            "method": f"bytes of steps {args.wire_check + 1}..{args.steps}: a run of {args.steps} steps minus one "
+                      f"of {args.wire_check}; counted = the trainer's bytes_sent_per_rank, measured = "
+                      "/sys/class/net/<veth>/statistics/tx_bytes of both ends / ranks",
+            "model": {"d_model": args.d_model, "n_layer": args.n_layer, "seq_len": args.seq_len},
+            "arms": arms, "all_within_bound": all(a["within_bound"] for a in arms)}
+
+
+def run_rate(link: LinkedNamespaces, rate: str, args: argparse.Namespace, arms: List[str], run_root: Path) -> dict:
+    """Every arm on the link shaped to ``rate``: timed, time-to-loss or wire-checked."""
+    shaped = None if rate == "none" else rate
+    link.shape(shaped, args.delay_ms)
+    measured = link.measure_throughput(40 if shaped != "100mbit" else 12)
+    entry: Dict[str, object] = {"measured_tcp_bits_per_s": round(measured)}
+    print(f"[bench] link {rate}: one TCP stream measures {measured / 1e6:,.0f} Mbit/s", flush=True)
+    if args.wire_check:
+        entry["wire"] = wire_check(link, args, arms, run_root, rate)
+        return entry
+    if args.time_to_loss:
+        entry["time_to_loss"] = time_to_loss(link, args, arms, run_root, rate)
+        return entry
+    for arm in arms:
+        entry[arm] = run_arm(link, arm, args, run_root, rate)
+        entry[arm].pop("records")
+        print(f"[bench] {rate} {arm}: {json.dumps(entry[arm])}", flush=True)
+    entry.update(speedups(entry, arms))  # type: ignore[arg-type]
+    return entry
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if os.geteuid() != 0:
@@ -447,24 +563,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         with LinkedNamespaces(str(os.getpid())) as link:
             for rate in args.rates.split(","):
-                shaped = None if rate == "none" else rate
-                link.shape(shaped, args.delay_ms)
-                measured = link.measure_throughput(40 if shaped != "100mbit" else 12)
-                entry: Dict[str, object] = {"measured_tcp_bits_per_s": round(measured)}
-                print(f"[bench] link {rate}: one TCP stream measures {measured / 1e6:,.0f} Mbit/s", flush=True)
-                if args.time_to_loss:
-                    entry["time_to_loss"] = time_to_loss(link, args, arms, run_root, rate)
-                    results[rate] = entry
-                    continue
-                for arm in arms:
-                    entry[arm] = run_arm(link, arm, args, run_root, rate)
-                    entry[arm].pop("records")
-                    print(f"[bench] {rate} {arm}: {json.dumps(entry[arm])}", flush=True)
-                entry.update(speedups(entry, arms))  # type: ignore[arg-type]
-                results[rate] = entry
+                results[rate] = run_rate(link, rate, args, arms, run_root)
     finally:
         if not args.keep_runs:
             subprocess.run(["rm", "-rf", str(run_root)])
+    sys.path.insert(0, str(REPO))
+    from scripts.bench_io import emit_report
+
+    if args.wire_check:
+        report = wire_report(args, argv, results[args.rates]["wire"])
+        emit_report(report, args.out)
+        return 0 if report["all_within_bound"] else 1
     report = {
         "benchmark": "bench_network", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": "python scripts/bench_network.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -475,9 +584,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   "ranks_per_host": args.ranks_per_host, "delay_ms": args.delay_ms},
         "rates": results,
     }
-    sys.path.insert(0, str(REPO))
-    from scripts.bench_io import emit_report
-
     emit_report(report, args.out)
     return 0
 

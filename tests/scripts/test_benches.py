@@ -124,3 +124,56 @@ def test_bench_optimizer_compares_both_topk_methods(tmp_path, monkeypatch):
         assert k <= report[name]["k"] <= k + 8 and row["k_exact"] == row["k_threshold"] == report[name]["k"]
         assert row["same_set_above_kth"] == 1.0 and row["ties_at_kth"] >= 1
     assert {"scape90_threshold", "scape99_threshold"} <= set(report)
+
+
+def _wire_run(step: int, counted: float, tx_a: int, tx_b: int) -> dict:
+    return {"summary": {"step": step, "bytes_sent_per_rank": counted}, "tx_bytes": {"a": tx_a, "b": tx_b}}
+
+
+def test_the_wire_check_compares_the_steps_between_two_runs_within_the_bound():
+    # start-up (DDP's broadcast, rendezvous) costs both runs the same 5,000 bytes per end
+    long, short = _wire_run(10, 10_000.0, 15_600, 15_400), _wire_run(4, 4_000.0, 9_100, 9_100)
+    entry = bench_network.wire_entry("adams", long, short, 1, 0.10)
+    assert entry["arm"] == "adams_ddp" and entry["steps"] == [4, 10]
+    assert (entry["counted_bytes"], entry["measured_bytes"]) == (6_000, 6_400)
+    assert entry["ratio"] == pytest.approx(6_400 / 6_000, abs=1e-4) and entry["within_bound"]
+    assert not bench_network.wire_entry("scape99", long, short, 1, 0.05)["within_bound"]  # 6.7% > 5%
+    fewer = _wire_run(10, 10_000.0, 14_000, 14_000)  # the wire carried less than counted: a counter error
+    assert not bench_network.wire_entry("adams", fewer, short, 1, 0.10)["within_bound"]
+    two_per_host = bench_network.wire_entry("adams", _wire_run(10, 10_000.0, 2 * 15_600, 2 * 15_400),
+                                            _wire_run(4, 4_000.0, 2 * 9_100, 2 * 9_100), 2, 0.10)
+    assert two_per_host["measured_bytes"] == 6_400, "each end carries its host's ranks"
+
+
+def test_wire_check_arguments_are_checked():
+    args = bench_network.parse_args(["--rates", "1gbit", "--steps", "10", "--wire-check", "4"])
+    assert (args.wire_check, args.overhead_bound) == (4, 0.10)
+    for bad in (["--rates", "1gbit", "--steps", "10", "--wire-check", "10"],
+                ["--rates", "1gbit,100mbit", "--steps", "10", "--wire-check", "4"],
+                ["--rates", "1gbit", "--wire-check", "4", "--time-to-loss", "5", "--step-cap", "10"]):
+        with pytest.raises(SystemExit):
+            bench_network.parse_args(bad)
+
+
+def test_the_veth_counter_sees_the_bytes_a_tcp_stream_sends():
+    """LinkedNamespaces.tx_bytes reads what crossed the link: 4 MiB sent b -> a appear on b's end
+    (plus TCP/IP headers), and a's end carries only the acknowledgements."""
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    tag = f"t{os.getpid() % 100000}"
+    try:
+        link = bench_network.LinkedNamespaces(tag).__enter__()
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot make network namespaces here: {exc}")
+    try:
+        before = link.tx_bytes()
+        link.measure_throughput(megabytes=4)
+        after = link.tx_bytes()
+    finally:
+        link.__exit__(None, None, None)
+    sent_b, sent_a = after["b"] - before["b"], after["a"] - before["a"]
+    assert 4 * 2**20 <= sent_b <= 1.10 * 4 * 2**20, sent_b
+    assert sent_a < 0.05 * 4 * 2**20, sent_a
