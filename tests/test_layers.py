@@ -1,4 +1,4 @@
-"""The packages' imports follow DESIGN.md's layering: each imports only the layers below it.
+"""The packages' imports follow docs/DESIGN.md's layering: each imports only the layers below it.
 
 Read from the source with ast, every import counts: module level, inside functions and under
 ``if TYPE_CHECKING``. Two checks: no import points up a layer or sideways into another package of
