@@ -11,6 +11,10 @@ Mid-rise codes have no level at 0: a value far below its block's RMS reads back 
 ``midtread`` (``optimizer.value_quantizer``, 2 or 4 bits) uses the 2^b - 1 levels
 floor(v / step + 1/2) step instead, one of them 0, at the cost of one level.
 
+A block holding a NaN or an Inf has a NaN or Inf scale (kept so through the bf16 rounding of the
+scale, see ``scape.kernels``) and reads back non-finite, at the sender and at every receiver: the
+non-finite policy sees it and skips the step rather than applying zeros.
+
 The caller keeps what the codes do not say (v minus its read-back value) in its copy, as it
 keeps bf16's rounding: error feedback, so no drift is lost, only delayed.
 """

@@ -19,6 +19,18 @@ _BYTE_BLOCK = 256
 
 
 @triton.jit
+def _bf16_bits(value):
+    """fp32 -> its bf16 rounding, as the fp32 bit pattern (low half zero): round to nearest even
+    on the bits, the same result as torch's cast on the GPU and under the interpreter, whose own
+    float cast truncates. A NaN keeps its sign and becomes quiet: rounding its payload would carry
+    into the exponent and sign (CUDA's NaN 0x7FFFFFFF would become -0.0), sending a NaN as zero."""
+    bits = value.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(is_nan, (bits | 0x00400000) & 0xFFFF0000, rounded)
+
+
+@triton.jit
 def _pack_bits_kernel(mask_ptr, out_ptr, n_bytes, BLOCK: tl.constexpr):
     byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     bit = tl.arange(0, 8)
@@ -48,11 +60,7 @@ def _gather_and_clear_kernel(source_ptr, index_ptr, out_ptr, n, KEEP_REMAINDER: 
     j = tl.load(index_ptr + i, mask=valid, other=0)
     value = tl.load(source_ptr + j, mask=valid, other=0.0)
     if KEEP_REMAINDER:
-        # bf16 by round-to-nearest-even on the bits (out_ptr is the bf16 buffer viewed as
-        # int16): the same result as torch's cast on the GPU and under the interpreter, whose
-        # own float cast truncates.
-        bits = value.to(tl.uint32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        rounded = _bf16_bits(value)  # out_ptr is the bf16 buffer viewed as int16
         tl.store(out_ptr + i, (rounded >> 16).to(tl.int16), mask=valid)
         tl.store(source_ptr + j, value - rounded.to(tl.float32, bitcast=True), mask=valid)
     else:
@@ -117,9 +125,8 @@ def _quantize_kernel(values_ptr, packed_ptr, scale_ptr, read_back_ptr, count, n_
     valid = i < count
     v = tl.load(values_ptr + i, mask=valid, other=0.0)  # a partial last block: zero-padded
     scale = tl.sqrt_rn(tl.sum(v * v, axis=1) / BLOCK) * step_per_rms
-    if SCALE_BF16:  # round to nearest even on the bits, as torch's cast (see _gather_and_clear)
-        bits = scale.to(tl.uint32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    if SCALE_BF16:  # a NaN or Inf scale stays one: the block reads back non-finite
+        rounded = _bf16_bits(scale)
         tl.store(scale_ptr + row, (rounded >> 16).to(tl.int16), mask=row < n_blocks)
         scale = rounded.to(tl.float32, bitcast=True)
     else:

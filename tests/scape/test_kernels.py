@@ -1,5 +1,6 @@
 """Each Triton kernel equals its PyTorch reference (CPU, TRITON_INTERPRET=1)."""
 import importlib
+import math
 import os
 import sys
 
@@ -134,3 +135,75 @@ def test_quantize_blocks_matches_reference(bits, midtread, scale_dtype, count):
     if agree.all():
         assert torch.equal(packed, ref_packed)
     assert torch.equal(read_back[5 * BLOCK:6 * BLOCK], torch.zeros(BLOCK))
+
+
+# Non-finite inputs as a GPU makes them: CUDA's canonical NaN is 0x7FFFFFFF (its payload is all
+# ones, so rounding it on the bits carries into the sign), the CPU's is 0x7FC00000.
+_NON_FINITE_BITS = {"cuda_nan": 0x7FFFFFFF, "cuda_negative_nan": -1, "cpu_nan": 0x7FC00000,
+                    "inf": 0x7F800000, "negative_inf": 0xFF800000 - (1 << 32)}
+# finite patterns at rounding's edges: ties to even (down and up), the largest finite float
+# (rounds to Inf, as torch's cast does), a subnormal, -0.0
+_EDGE_BITS = [0x3F808000, 0x3F818000, 0x7F7FFFFF, 0xFF7FFFFF - (1 << 32), 0x00000001, -(1 << 31)]
+_BACKENDS = {"reference": reference, "triton": triton_kernels}
+
+
+def _from_bits(bits) -> torch.Tensor:
+    return torch.tensor(bits, dtype=torch.int32).view(torch.float32)
+
+
+@pytest.mark.parametrize("backend", _BACKENDS)
+def test_gather_and_clear_keeps_nan_and_inf_through_bf16(backend):
+    gen = torch.Generator().manual_seed(6)
+    source = torch.randn(3000, generator=gen)
+    indices = torch.randperm(3000, generator=gen)[:800].sort().values
+    special = _from_bits(list(_NON_FINITE_BITS.values()) + _EDGE_BITS)
+    source[indices[100:100 + special.numel()]] = special
+    sent = source[indices]
+    src = source.clone()
+    out = _BACKENDS[backend].gather_and_clear(src, indices, torch.empty(800, dtype=torch.bfloat16))
+    assert torch.equal(out.float().isnan(), sent.isnan()) and int(sent.isnan().sum()) == 3
+    assert torch.equal(out.float().isinf(), sent.to(torch.bfloat16).float().isinf())
+    assert torch.equal(out.float().signbit()[sent.isinf()], sent.signbit()[sent.isinf()])
+    finite = ~sent.isnan()  # everything else, Inf included, rounds exactly as torch's cast
+    assert torch.equal(out[finite].view(torch.int16), sent[finite].to(torch.bfloat16).view(torch.int16))
+    # a non-finite value is never taken for a finite one: its residual is NaN, not a clean zero
+    kept = src[indices]
+    assert torch.equal(kept.isnan(), ~sent.isfinite())
+    assert torch.equal(kept[sent.isfinite()], sent[sent.isfinite()] - out[sent.isfinite()].float())
+
+
+def _blocks_with_non_finite(count: int, block: int) -> tuple:
+    gen = torch.Generator().manual_seed(count)
+    values = torch.randn(count, generator=gen) * 1e-3
+    bad_blocks = {"cuda_nan": 1, "cuda_negative_nan": 3, "cpu_nan": 4, "inf": 6, "negative_inf": 7}
+    for name, b in bad_blocks.items():
+        values[b * block + 5] = _from_bits([_NON_FINITE_BITS[name]])[0]
+    values[-1] = _from_bits([0x7FFFFFFF])[0]  # in the partial last block
+    bad = torch.zeros(math.ceil(count / block), dtype=torch.bool)
+    bad[list(bad_blocks.values()) + [-1]] = True
+    return values, bad, bad_blocks
+
+
+@pytest.mark.parametrize("backend", _BACKENDS)
+@pytest.mark.parametrize("scale_dtype", (torch.bfloat16, torch.float32))
+@pytest.mark.parametrize("bits,midtread", ((1, False), (2, False), (4, True)))
+def test_quantize_blocks_keeps_nan_and_inf_in_scales_and_read_back(backend, scale_dtype, bits, midtread):
+    from scape.quantize import BLOCK, MIDTREAD_STEP_PER_RMS, STEP_PER_RMS, dequantize
+    count = 12 * BLOCK + 9
+    values, bad, bad_blocks = _blocks_with_non_finite(count, BLOCK)
+    args = (bits, (MIDTREAD_STEP_PER_RMS if midtread else STEP_PER_RMS)[bits], BLOCK, scale_dtype, midtread)
+    packed, scale, read_back = _BACKENDS[backend].quantize_blocks(values, *args)
+    nan_blocks = [bad_blocks[n] for n in ("cuda_nan", "cuda_negative_nan", "cpu_nan")] + [scale.numel() - 1]
+    assert scale.float()[nan_blocks].isnan().all()
+    assert torch.equal(scale.float()[[bad_blocks["inf"], bad_blocks["negative_inf"]]],
+                       torch.full((2,), math.inf))
+    in_bad = bad.repeat_interleave(BLOCK)[:count]
+    received = dequantize(packed, scale, bits, count, midtread)
+    # every value of a block holding a NaN or Inf reads back non-finite, at both ends: the
+    # non-finite policy sees it and skips the step instead of applying zeros
+    assert not read_back[in_bad].isfinite().any() and not received[in_bad].isfinite().any()
+    assert read_back[~in_bad].isfinite().all()
+    assert torch.equal(received[~in_bad], read_back[~in_bad])
+    # the finite blocks are as if the bad ones were zeros (blocks are independent)
+    clean_packed, clean_scale, clean_back = _BACKENDS[backend].quantize_blocks(values.masked_fill(in_bad, 0.0), *args)
+    assert torch.equal(scale[~bad], clean_scale[~bad]) and torch.equal(read_back[~in_bad], clean_back[~in_bad])

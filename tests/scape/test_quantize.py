@@ -77,3 +77,20 @@ def test_midtread_codes_have_a_level_at_zero_and_the_least_error_of_their_levels
     relative = (gauss - back[:64 * BLOCK]).square().mean() / gauss.square().mean()
     assert relative < {2: 0.20, 4: 0.014}[bits]  # the least for 3 / 15 uniform levels: 0.190, 0.0129
     assert MIDTREAD_STEP_PER_RMS[2] == pytest.approx(1.224)
+
+
+@pytest.mark.parametrize("scale_dtype", (torch.bfloat16, torch.float32))
+@pytest.mark.parametrize("midtread", (False, True))
+def test_a_nan_or_inf_makes_its_block_read_back_non_finite_at_both_ends(scale_dtype, midtread):
+    # CUDA's NaNs (0x7FFFFFFF, 0xFFFFFFFF) and both Infs, each in its own block
+    special = torch.tensor([0x7FFFFFFF, -1, 0x7F800000, 0xFF800000 - (1 << 32)], dtype=torch.int32)
+    values = torch.randn(6 * BLOCK, generator=torch.Generator().manual_seed(7)) * 1e-3
+    values[[BLOCK + 3, 2 * BLOCK, 4 * BLOCK + 63, 5 * BLOCK + 1]] = special.view(torch.float32)
+    bits = 2
+    packed, scale, read_back = quantize(values, bits, scale_dtype, midtread)
+    assert scale.float()[[1, 2]].isnan().all() and torch.equal(scale.float()[[4, 5]], torch.full((2,), math.inf))
+    back = dequantize(packed, scale, bits, values.numel(), midtread).view(-1, BLOCK)
+    assert not back[1:3].isfinite().any() and not back[4:].isfinite().any()
+    assert not read_back.view(-1, BLOCK)[[1, 2, 4, 5]].isfinite().any()
+    assert back[[0, 3]].isfinite().all() and torch.equal(back[[0, 3]], read_back.view(-1, BLOCK)[[0, 3]])
+    assert not math.isfinite(float(back.square().sum()))  # what the policy reads
