@@ -1,6 +1,6 @@
 """The gradient-synchronisation seam: the interface the Trainer talks to, and the dense one.
 
-DESIGN.md: dense all-reduce, SCAPE and SDP each own exactly one place where gradients cross ranks,
+docs/DESIGN.md: dense all-reduce, SCAPE and SDP each own exactly one place where gradients cross ranks,
 and the Trainer does not know which one runs. A synchroniser owns the optimizer too, because
 SCAPE's communication and update are one algorithm (its mask comes from the momentum) and SDP
 keeps optimizer state only for held parameters.
