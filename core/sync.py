@@ -81,6 +81,12 @@ class GradientSynchronizer:
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in self.params]))
 
     @property
+    def ranks_reduced_in_backward(self) -> int:
+        """How many ranks' gradients ``p.grad`` averages right after the last backward: 1, or the
+        world where the reduction runs inside backward (DDP). The noise scale's batch size."""
+        return 1
+
+    @property
     def takes_skip_flag(self) -> bool:
         """True when ``step(lr, skip)`` takes the skip decision as a device tensor: the loop then
         runs the reduction and the clip unconditionally and never reads the flag itself. False:
@@ -247,6 +253,10 @@ class DenseAllReduce(GradientSynchronizer):
             self.flat.grad.div_(self.world)
 
     takes_skip_flag = True
+
+    @property
+    def ranks_reduced_in_backward(self) -> int:
+        return self.world if self.ddp is not None else 1
 
     @property
     def skips_on_device(self) -> bool:

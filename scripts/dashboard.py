@@ -61,6 +61,7 @@ def sections():
             _plot("training loss", ["train/loss"], smoothing_type="exponential", smoothing_factor=0.6),
             _plot("learning rate", ["train/lr"]),
             _plot("gradient norm", ["train/grad_norm"]),
+            _plot("gradient noise scale (tokens)", ["train/noise_scale"], log_y=True),
             _plot("skipped (non-finite) steps", ["train/skipped_steps"]),
         ]),
         section("perf", [

@@ -19,6 +19,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from core.wandb_run import ensure_run_id, grouping, provenance, rewind_point, wandb_mode
+from trainer.noise_scale import NoiseScaleMeter
 
 # Every metric a run can log, with what it is. The synchronisers' own metrics (scape/, sdp/) are
 # listed here too, so the dashboard and the tests know them; tests/scripts/test_dashboard.py
@@ -27,6 +28,8 @@ METRICS: Dict[str, str] = {
     "train/loss": "training loss of the step (mean over ranks and micro-batches)",
     "train/lr": "learning rate of the step",
     "train/grad_norm": "global gradient norm before clipping",
+    "train/noise_scale": "simple gradient noise scale tr(Sigma) / |G|^2 in tokens, over the steps since the last log "
+                         "(trainer/noise_scale.py; needs 2+ micro-batches a step)",
     "train/tokens": "tokens trained on so far (all ranks)",
     "train/skipped_steps": "non-finite steps skipped so far",
     "val/loss": "validation loss",
@@ -297,6 +300,7 @@ class MetricsProcessor:
         self.tokens_per_step, self.flops_per_token, self.world_size = tokens_per_step, flops_per_token, world_size
         self.device, self.peak, self.dense_bytes = device, peak_flops(device, peak_tflops), dense_bytes
         self.bytes_cumulative = bytes_cumulative
+        self.noise_scale = NoiseScaleMeter()
 
     def due(self, step: int) -> bool:
         return step % self.log_every == 0 or step == self.start_step + 1 or step == self.total_steps
@@ -304,6 +308,7 @@ class MetricsProcessor:
     def record(self, step: int, lr: float, result, skipped: int) -> None:
         bytes_step = self.counter.total()
         self.bytes_cumulative += bytes_step
+        self.noise_scale.add(result.device_values[5], result.device_values[6], *result.noise_batch_sizes)
         if self.logger is not None:
             self.logger.advance(step)
             if self.due(step):
@@ -324,6 +329,9 @@ class MetricsProcessor:
         }
         if self.peak:
             metrics["perf/mfu"] = tflops * 1e12 / self.peak
+        noise_scale = self.noise_scale.take()
+        if noise_scale is not None:
+            metrics["train/noise_scale"] = noise_scale
         metrics.update({f"comm/bytes_{k}": v for k, v in self.counter.bytes.items()})
         metrics.update(self.sync.metrics())
         return metrics

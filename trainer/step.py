@@ -5,7 +5,8 @@ nanoGPT's order with the synchroniser as the one place where gradients cross ran
     micro-batches: forward (through sync.train_module), backward (loss / accum)
                    each inside sync.micro_batch_context(last=...) (where overlapped comm starts)
                                                       -> perf/time_data_s, perf/time_fwd_bwd_s
-    control all-reduce, started asynchronously: mean loss, non-finite flag, stop request
+    control all-reduce, started asynchronously: mean loss, non-finite flag, stop request, and the
+                   squared gradient norms behind the noise scale (trainer/noise_scale.py)
     sync.reduce_gradients()                           -> perf/time_comm_s (with the control wait)
     norm = sync.clip_gradients(max)                   # a non-finite norm skips the update
     sync.step(lr); sync.after_step()                  -> perf/time_opt_s
@@ -36,12 +37,13 @@ import torch
 
 from core.comm import Collectives
 from core.sync import GradientSynchronizer
+from trainer.noise_scale import squared_grad_norm
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
 # Observers of the stages ("before_reduce", "after_reduce", "after_step"), for tests.
 StageHook = Callable[[str], None]
 
-_FIELDS = ("loss", "local_loss", "grad_norm", "nonfinite", "stop_requested")
+_FIELDS = ("loss", "local_loss", "grad_norm", "nonfinite", "stop_requested", "grad_sq_small", "grad_sq_big")
 
 
 class StepClock:
@@ -73,12 +75,16 @@ class StepResult:
 
     loss: mean over ranks and micro-batches; local_loss: this rank's mean; grad_norm: before
     clipping, NaN when the step was skipped before the reduction; nonfinite: the update was
-    skipped (non-finite loss or gradient on some rank); stop_requested: some rank asked to stop.
+    skipped (non-finite loss or gradient on some rank); stop_requested: some rank asked to stop;
+    grad_sq_small / grad_sq_big: the squared gradient norms at the two batch sizes
+    ``noise_batch_sizes`` (tokens), means over ranks, for the noise scale (``device_values[5:7]``).
     time_*: seconds (data is the host's time to fetch batches, inside the forward/backward span).
     """
 
-    def __init__(self, values: torch.Tensor, clock: StepClock, time_data: float) -> None:
+    def __init__(self, values: torch.Tensor, clock: StepClock, time_data: float,
+                 batch_sizes: Tuple[float, float] = (0.0, 0.0)) -> None:
         self._clock, self.time_data = clock, time_data
+        self.device_values, self.noise_batch_sizes = values, batch_sizes
         self._event = None
         if values.is_cuda:  # behind an event: reading it later waits for this step's end only
             self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
@@ -118,8 +124,18 @@ def _scalar(value: Union[float, torch.Tensor], device: torch.device) -> torch.Te
     return torch.full((), float(value), dtype=torch.float64, device=device)
 
 
+class _GradientSizes:
+    """The squared gradient norm at two batch sizes, for the noise scale (trainer/noise_scale.py):
+    after the first micro-batch (this rank's own) and after the whole backward."""
+
+    def __init__(self, device: torch.device) -> None:
+        nan = torch.full((), math.nan, dtype=torch.float64, device=device)
+        self.sq_small, self.sq_big, self.b_small, self.b_big = nan, nan, 0.0, 0.0
+
+
 def _forward_backward(model: torch.nn.Module, sync: GradientSynchronizer, batches: Iterator[Batch], accum: int,
-                      device: torch.device, autocast: Callable[[], ContextManager]) -> Tuple[torch.Tensor, float]:
+                      device: torch.device, autocast: Callable[[], ContextManager],
+                      sizes: _GradientSizes) -> Tuple[torch.Tensor, float]:
     """Accumulate the gradients of ``accum`` micro-batches; their mean loss and the data time."""
     t_data, loss_sum = 0.0, torch.zeros((), device=device)
     for micro in range(accum):
@@ -134,6 +150,11 @@ def _forward_backward(model: torch.nn.Module, sync: GradientSynchronizer, batche
                 loss = model(x, y)
             (loss / accum).backward()
         loss_sum += loss.detach() / accum
+        if micro == 0 and accum > 1:  # the gradient holds g_1 / accum here
+            sizes.sq_small, sizes.b_small = squared_grad_norm(sync.params, device) * accum ** 2, float(y.numel())
+    if accum > 1:  # one micro-batch a step has one batch size: nothing to compare
+        sizes.sq_big = squared_grad_norm(sync.params, device)
+        sizes.b_big = float(y.numel() * accum * sync.ranks_reduced_in_backward)
     return loss_sum, t_data
 
 
@@ -151,10 +172,12 @@ def train_step(model: torch.nn.Module, sync: GradientSynchronizer, batches: Iter
     device = device if device is not None else next(model.parameters()).device
     clock = StepClock(device)
     clock.mark("start")
-    loss_sum, t_data = _forward_backward(model, sync, batches, accum, device, autocast)
+    sizes = _GradientSizes(device)
+    loss_sum, t_data = _forward_backward(model, sync, batches, accum, device, autocast, sizes)
     clock.mark("fwd_bwd")
     control = torch.stack([loss_sum.double(), (~torch.isfinite(loss_sum)).double(),
-                           torch.full((), float(stop_requested), dtype=torch.float64, device=device)])
+                           torch.full((), float(stop_requested), dtype=torch.float64, device=device),
+                           sizes.sq_small, sizes.sq_big])
     work = comm.all_reduce(control, kind="control", async_op=True)
     if sync.takes_skip_flag:
         hook("before_reduce")
@@ -193,5 +216,5 @@ def train_step(model: torch.nn.Module, sync: GradientSynchronizer, batches: Iter
     clock.mark("end")
     sync.zero_grad()
     values = torch.stack([control[0] / world_size, loss_sum.double(), grad_norm, skip.double(),
-                          (control[2] > 0).double()])
-    return StepResult(values, clock, t_data)
+                          (control[2] > 0).double(), control[3] / world_size, control[4] / world_size])
+    return StepResult(values, clock, t_data, (sizes.b_small, sizes.b_big))

@@ -6,8 +6,9 @@ import pytest
 from tests.train_helpers import TINY, check, read_metrics, train_cli
 
 # One run per synchroniser family whose metrics the dashboard shows: SCAPE (scape/*) and B-SDP
-# (sdp/*), each on 2 gloo processes so bytes cross ranks; peak_tflops gives CPU runs an MFU.
-RUNS = {"scape": ["optimizer=scape", "optimizer.sparsity_warmup_steps=0"],
+# (sdp/*), each on 2 gloo processes so bytes cross ranks; peak_tflops gives CPU runs an MFU. SCAPE's
+# run takes 2 micro-batches a step, which the noise scale needs.
+RUNS = {"scape": ["optimizer=scape", "optimizer.sparsity_warmup_steps=0", "train.global_batch_tokens=1024"],
         "sdp": ["sdp=block", "sdp.coverage=0.5"]}
 
 
