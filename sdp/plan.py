@@ -358,61 +358,55 @@ def activation_bytes_per_token_block(cfg: ModelConfig, head_share: float = 1.0,
     return BYTES_FP32 * (4 * d + attn + mlp)
 
 
-def report(plan: Plan, model_cfg: ModelConfig, optimizer: str = "adamw", micro_batch_size: int = 8,
-           masking: str = "forward", activation_checkpointing: bool = False) -> Dict[str, Any]:
-    """What the plan costs and saves per worker, against DDP on the same model and world.
+def _stats(x: np.ndarray) -> Dict[str, float]:
+    return {"min": float(np.min(x)), "mean": float(np.mean(x)), "max": float(np.max(x))}
+
+
+def _memory(n_params: int, act_bytes: float, states: int) -> Dict[str, float]:
+    mem = {"params": n_params * BYTES_FP32, "grads": n_params * BYTES_FP32,
+           "optimizer_state": states * n_params * BYTES_FP32, "activations": act_bytes}
+    mem["total"] = float(sum(mem.values()))
+    return {key: float(v) for key, v in mem.items()}
+
+
+def _worker_activations(plan: Plan, model_cfg: ModelConfig, micro_batch_size: int, masking: str,
+                        activation_checkpointing: bool) -> Tuple[List[float], float]:
+    """Activation bytes of each worker's micro-batch, and of DDP's on the full model.
 
     With activation checkpointing a block keeps only its input (d per token) and one block's
-    activations are live at a time during recomputation.
-    """
-    a = plan.assignment
-    k = plan.workers
-    comp_params = np.array([c.n_params for c in plan.components], dtype=np.int64)
-    total = total_params(model_cfg)
-    always = total - int(comp_params.sum())
-    holders = a.sum(axis=0)
-    params_per_worker = always + a.astype(np.int64) @ comp_params
-    states = OPTIMIZER_STATES.get(optimizer, 2)
+    activations are live at a time during recomputation."""
     tokens = micro_batch_size * model_cfg.seq_len
     logits_bytes = 2 * BYTES_FP32 * model_cfg.vocab_size  # logits and their gradient, per token
-
-    def memory(n_params: int, act_bytes: float) -> Dict[str, float]:
-        mem = {"params": n_params * BYTES_FP32, "grads": n_params * BYTES_FP32,
-               "optimizer_state": states * n_params * BYTES_FP32, "activations": act_bytes}
-        mem["total"] = float(sum(mem.values()))
-        return {key: float(v) for key, v in mem.items()}
-
-    full_block_act = activation_bytes_per_token_block(model_cfg)
     if activation_checkpointing:
-        activation_bytes_per_block = lambda hs=1.0, us=1.0: BYTES_FP32 * model_cfg.d_model  # noqa: E731
-        recompute = tokens * full_block_act
+        per_block = lambda hs=1.0, us=1.0: BYTES_FP32 * model_cfg.d_model  # noqa: E731
+        recompute = tokens * activation_bytes_per_token_block(model_cfg)
     else:
-        activation_bytes_per_block = lambda hs=1.0, us=1.0: activation_bytes_per_token_block(model_cfg, hs, us)  # noqa: E731
+        per_block = lambda hs=1.0, us=1.0: activation_bytes_per_token_block(model_cfg, hs, us)  # noqa: E731
         recompute = 0.0
-    full_block_act = activation_bytes_per_block()
-    ddp_act = tokens * (model_cfg.n_layer * full_block_act + logits_bytes) + recompute
-    worker_mem = []
-    for i in range(k):
+    full_block = per_block()
+    ddp_act = tokens * (model_cfg.n_layer * full_block + logits_bytes) + recompute
+    acts = []
+    for i in range(plan.workers):
         held = [plan.components[j] for j in plan.held(i)]
         if masking == "backward":  # the full forward: full activations, full weights present
             act = ddp_act
         elif plan.kind == "block":
-            act = tokens * (len(held) * full_block_act + logits_bytes) + recompute
+            act = tokens * (len(held) * full_block + logits_bytes) + recompute
         else:
             act = tokens * logits_bytes + recompute
             for l in range(model_cfg.n_layer):
                 hs = sum(len(c.members) for c in held if c.block == l and c.kind == "heads") / model_cfg.n_head
                 us = sum(len(c.members) for c in held if c.block == l and c.kind == "mlp") / ffn_hidden_size(model_cfg)
-                act += tokens * activation_bytes_per_block(hs, us)
-        mem = memory(int(params_per_worker[i]), act)
-        if masking == "backward":  # unheld weights are present (no grads, no state)
-            mem["params"] = float(total * BYTES_FP32)
-            mem["total"] = float(mem["params"] + mem["grads"] + mem["optimizer_state"] + mem["activations"])
-        worker_mem.append(mem)
-    ddp_mem = memory(total, ddp_act)
+                act += tokens * per_block(hs, us)
+        acts.append(act)
+    return acts, ddp_act
 
-    # bytes a worker sends per step: one ring all-reduce per holder set it belongs to
+
+def _sent_bytes(plan: Plan, comp_params: np.ndarray, always: int, masking: str) -> Tuple[np.ndarray, np.ndarray]:
+    """Bytes each worker sends a step (one ring all-reduce per holder set it belongs to), and the
+    bytes it broadcasts to refresh unheld values under backward masking."""
     from core.comm import all_reduce_bytes
+    k = plan.workers
     set_params: Dict[Tuple[int, ...], int] = {tuple(range(k)): always}
     for j, h in enumerate(plan.holder_sets()):
         set_params[h] = set_params.get(h, 0) + int(comp_params[j])
@@ -425,28 +419,47 @@ def report(plan: Plan, model_cfg: ModelConfig, optimizer: str = "adamw", micro_b
         for j, h in enumerate(plan.holder_sets()):
             if len(h) < k and k > 1:
                 refresh[h[j % len(h)]] += comp_params[j] * BYTES_FP32
+    return sent, refresh
+
+
+def report(plan: Plan, model_cfg: ModelConfig, optimizer: str = "adamw", micro_batch_size: int = 8,
+           masking: str = "forward", activation_checkpointing: bool = False) -> Dict[str, Any]:
+    """What the plan costs and saves per worker, against DDP on the same model and world."""
+    from core.comm import all_reduce_bytes
+    a, k = plan.assignment, plan.workers
+    comp_params = np.array([c.n_params for c in plan.components], dtype=np.int64)
+    total = total_params(model_cfg)
+    always = total - int(comp_params.sum())
+    params_per_worker = always + a.astype(np.int64) @ comp_params
+    states = OPTIMIZER_STATES.get(optimizer, 2)
+    acts, ddp_act = _worker_activations(plan, model_cfg, micro_batch_size, masking, activation_checkpointing)
+    worker_mem = []
+    for i in range(k):
+        mem = _memory(int(params_per_worker[i]), acts[i], states)
+        if masking == "backward":  # unheld weights are present (no grads, no state)
+            mem["params"] = float(total * BYTES_FP32)
+            mem["total"] = float(mem["params"] + mem["grads"] + mem["optimizer_state"] + mem["activations"])
+        worker_mem.append(mem)
+    ddp_mem = _memory(total, ddp_act, states)
+    sent, refresh = _sent_bytes(plan, comp_params, always, masking)
     ddp_sent = all_reduce_bytes(total * BYTES_FP32, k)
-
-    def stats(x: np.ndarray) -> Dict[str, float]:
-        return {"min": float(np.min(x)), "mean": float(np.mean(x)), "max": float(np.max(x))}
-
     peak = max(m["total"] for m in worker_mem)
     return {
         "model": model_cfg.name, "kind": plan.kind, "strategy": plan.strategy, "coverage": plan.coverage,
         "masking": masking, "workers": k, "components": len(plan.components),
-        "components_per_worker": stats(a.sum(axis=1)),
-        "holders_per_component": stats(holders),
+        "components_per_worker": _stats(a.sum(axis=1)),
+        "holders_per_component": _stats(a.sum(axis=0)),
         "distinct_holder_sets": len(set(plan.holder_sets()) | {tuple(range(k))}),
         "params_total": int(total), "params_always_held": int(always),
-        "params_per_worker": stats(params_per_worker.astype(np.float64)),
+        "params_per_worker": _stats(params_per_worker.astype(np.float64)),
         "params_fraction_max": float(params_per_worker.max() / total),
         "memory_estimate_bytes": {"optimizer": optimizer, "micro_batch_size": micro_batch_size,
                                   "activation_checkpointing": bool(activation_checkpointing),
                                   "worker_max": max(worker_mem, key=lambda m: m["total"]),
                                   "ddp": ddp_mem, "ratio_vs_ddp": float(peak / ddp_mem["total"])},
-        "allreduce_bytes_per_step": {"worker": stats(sent), "ddp": float(ddp_sent),
+        "allreduce_bytes_per_step": {"worker": _stats(sent), "ddp": float(ddp_sent),
                                      "ratio_vs_ddp": float(sent.max() / ddp_sent) if ddp_sent else 0.0,
-                                     "backward_refresh_broadcast": stats(refresh)},
+                                     "backward_refresh_broadcast": _stats(refresh)},
         "spectral_gap": spectral_gap(a),
     }
 

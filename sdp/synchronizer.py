@@ -83,6 +83,32 @@ class _ValidationModel(nn.Module):
             return model(idx, targets)
 
 
+def _scattered_moments(cfg, old_plan, local: Dict[str, Any], keys: List[str],
+                       like: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """One old worker's moments (and a count of 1) scattered into full-model tensors where its
+    subnetwork sits; zeros elsewhere."""
+    from models.subnet import parameter_slices
+
+    if "param_names" not in local or "rank" not in local:
+        raise ValueError("a rank's checkpoint file holds no SDP parameter names; it was written "
+                         "before elastic resume existed: resume it with its own number of ranks")
+    slices = parameter_slices(cfg, old_plan.subnet_spec(int(local["rank"])))
+    out = {k: torch.zeros(t.shape) for k, t in like.items()}
+    for index, name in enumerate(local["param_names"]):
+        entry = local["optimizer"]["state"].get(index)
+        if not entry:
+            continue
+        for key in keys + ["count"]:
+            value = torch.ones_like(entry[keys[0]]) if key == "count" else entry[key]
+            target = out[f"{key}/{name}"]
+            if name in slices:
+                dim, indices = slices[name]
+                target.index_copy_(dim, indices, value.float())
+            else:
+                target.copy_(value)
+    return out
+
+
 class SubnetworkSynchronizer(GradientSynchronizer):
     """Holder-set all-reduces, one clip coefficient for all, and (backward masking) the refresh."""
 
@@ -424,7 +450,6 @@ class SubnetworkSynchronizer(GradientSynchronizer):
         count divides them out: every element gets the mean over its old holders, which all held
         the same value (holders average the same gradients). Each new worker then slices its
         own held tensors out, as it sliced the weights. Collective (one all-reduce)."""
-        from models.subnet import parameter_slices
         from sdp.plan import Plan
 
         saved = state.get("sdp_plan")
@@ -438,28 +463,17 @@ class SubnetworkSynchronizer(GradientSynchronizer):
         keys, scalars = list(state["moment_keys"]), state["scalars"]
         shapes = self.layout.full_shapes
         like = {f"{key}/{name}": torch.empty(shapes[name]) for key in keys + ["count"] for name in shapes}
+        total = shards.mean(lambda local: _scattered_moments(self.cfg, old_plan, local, keys, like), like,
+                            self.comm, self.rank, self.world, self.device)
+        saved_sd = self.optimizer.state_dict()
+        saved_sd["state"] = self._held_moments(total, keys, scalars)
+        self.optimizer.load_state_dict(saved_sd)
 
-        def scattered(local: Dict[str, Any]) -> Dict[str, torch.Tensor]:
-            if "param_names" not in local or "rank" not in local:
-                raise ValueError("a rank's checkpoint file holds no SDP parameter names; it was written "
-                                 "before elastic resume existed: resume it with its own number of ranks")
-            slices = parameter_slices(self.cfg, old_plan.subnet_spec(int(local["rank"])))
-            out = {k: torch.zeros(t.shape) for k, t in like.items()}
-            for index, name in enumerate(local["param_names"]):
-                entry = local["optimizer"]["state"].get(index)
-                if not entry:
-                    continue
-                for key in keys + ["count"]:
-                    value = torch.ones_like(entry[keys[0]]) if key == "count" else entry[key]
-                    target = out[f"{key}/{name}"]
-                    if name in slices:
-                        dim, indices = slices[name]
-                        target.index_copy_(dim, indices, value.float())
-                    else:
-                        target.copy_(value)
-            return out
+    def _held_moments(self, total: Dict[str, torch.Tensor], keys: List[str],
+                      scalars: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
+        """This worker's optimizer state, sliced out of the old workers' means ``total``."""
+        from models.subnet import parameter_slices
 
-        total = shards.mean(scattered, like, self.comm, self.rank, self.world, self.device)
         slices = parameter_slices(self.cfg, self.spec)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         new_state: Dict[int, Dict[str, Any]] = {}
@@ -478,9 +492,7 @@ class SubnetworkSynchronizer(GradientSynchronizer):
                                      f"the held tensor {tuple(param.shape)}")
                 entry[key] = full.to(param.device, param.dtype).clone()
             new_state[index] = entry
-        saved_sd = self.optimizer.state_dict()
-        saved_sd["state"] = new_state
-        self.optimizer.load_state_dict(saved_sd)
+        return new_state
 
     def metrics(self) -> Dict[str, float]:
         return {"sdp/coverage": float(self.plan.coverage),
