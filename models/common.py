@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -135,6 +135,9 @@ class CausalLM(nn.Module):
         self.activation_checkpointing = False
         self.blocks = nn.ModuleDict()
         self.loss = loss_function(cfg.loss)
+        # compile_blocks' compiled forward per block (a plain dict: not submodules, so parameter
+        # names and the state dict stay those of the eager model)
+        self.compiled_blocks: Dict[str, Callable] = {}
 
     # Families provide these.
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
@@ -150,6 +153,20 @@ class CausalLM(nn.Module):
         """Recompute each block's activations in backward (torch.utils.checkpoint, non-reentrant)."""
         self.activation_checkpointing = bool(enabled)
 
+    def compile_blocks(self, **options) -> None:
+        """torch.compile every block on its own, with static shapes (``options`` go to
+        torch.compile, e.g. ``backend``); used by forwards with gradients (training), while
+        no-grad forwards (validation, evaluation, generation: other shapes) stay eager.
+
+        Per block, not the model as one graph: the backward then runs as one compiled node per
+        block, so a block's parameters get their final gradients, and their post-accumulate-grad
+        hooks fire (SCAPE's bucketed all-reduce, scape/overlap.py; DDP's buckets), while the
+        earlier blocks' backward still runs. One graph would hand every gradient over at the end
+        of backward and lose that overlap. Identical blocks share one compiled graph.
+        """
+        self.compiled_blocks = {name: torch.compile(block, dynamic=False, **options)
+                                for name, block in self.blocks.items()}
+
     def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
         """The final norm's output [B, T, d]: what the LM head and the loss read."""
         _, length = idx.shape
@@ -157,12 +174,14 @@ class CausalLM(nn.Module):
             raise ValueError(f"sequence length {length} exceeds model.seq_len={self.cfg.seq_len}")
         x = self.embed(idx)
         context = self.block_context(length, idx.device)
-        checkpointing = self.activation_checkpointing and torch.is_grad_enabled()
-        for block in self.blocks.values():
+        training = torch.is_grad_enabled()
+        checkpointing = self.activation_checkpointing and training
+        for name, block in self.blocks.items():
+            run = self.compiled_blocks.get(name, block) if training else block
             if checkpointing:
-                x = checkpoint(block, x, *context, use_reentrant=False)
+                x = checkpoint(run, x, *context, use_reentrant=False)
             else:
-                x = block(x, *context)
+                x = run(x, *context)
         return self.final_norm(x)
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:

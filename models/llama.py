@@ -14,19 +14,27 @@ import torch.nn.functional as F
 
 from models.common import CausalLM, RotaryEmbedding, resolved_ffn_hidden, resolved_kv_heads
 from models.config import ModelConfig
-from models.ops import apply_rotary, causal_attention, rms_norm, swiglu
+from models.ops import apply_rotary, causal_attention, projections, rms_norm, swiglu
 from models.subnet import SubnetSpec
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, kernels: str = "auto") -> None:
+    """``cast_output``: under autocast, return the normalised activations in autocast's dtype, cast
+    once here rather than by every projection that reads them (a block's norms; the final norm
+    stays fp32, as the loss computes in fp32)."""
+
+    def __init__(self, dim: int, eps: float, kernels: str = "auto", cast_output: bool = False) -> None:
         super().__init__()
-        self.eps, self.kernels = eps, kernels
+        self.eps, self.kernels, self.cast_output = eps, kernels, cast_output
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused op (the residual stream is fp32 under autocast)
-            return rms_norm(x, self.weight, self.eps, self.kernels)
+            normed = rms_norm(x, self.weight, self.eps, self.kernels)
+            if self.cast_output and torch.is_autocast_enabled(x.device.type):
+                # the same rounding autocast's matmuls apply to their input, done once
+                return normed.to(torch.get_autocast_dtype(x.device.type))
+            return normed
         # Normalise in fp32 and scale in the input dtype, as Llama's reference does.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
         return self.weight * normed
@@ -50,11 +58,12 @@ class LlamaAttention(nn.Module):
             # through the (empty) projections so every held tensor, the norm included, gets a
             # gradient (zeros) like in any other block.
             return self.o_proj(self.q_proj(x) + self.k_proj(x) + self.v_proj(x))
-        # Separate q/k/v (and gate/up) matmuls, as in transformers: a fused one is no faster on CPU
-        # (docs/RESULTS.md) and leaves strided halves and a bigger gradient buffer.
-        q = self.q_proj(x).view(batch, length, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(batch, length, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(batch, length, self.n_kv_heads, self.head_dim)
+        # q/k/v stay three parameters (their names, initial draws, flat order, SDP slices and HF
+        # mapping are the separate tensors'); the stock path runs them as one GEMM (models/ops.py).
+        q, k, v = projections(x, (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight), self.kernels)
+        q = q.view(batch, length, self.n_heads, self.head_dim)
+        k = k.view(batch, length, self.n_kv_heads, self.head_dim)
+        v = v.view(batch, length, self.n_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin, self.kernels), apply_rotary(k, cos, sin, self.kernels)
         y = causal_attention(q, k, v, self.backend, self.kernels)
         return self.o_proj(y.reshape(batch, length, self.n_heads * self.head_dim))
@@ -69,16 +78,17 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.kernels))
+        gate, up = projections(x, (self.gate_proj.weight, self.up_proj.weight), self.kernels)
+        return self.down_proj(swiglu(gate, up, self.kernels))
 
 
 class LlamaBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, heads: List[int], units: List[int]) -> None:
         super().__init__()
         group = cfg.n_head // resolved_kv_heads(cfg)
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernels)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernels, cast_output=True)
         self.attn = LlamaAttention(cfg, len(heads), len({h // group for h in heads}))
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernels)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernels, cast_output=True)
         self.mlp = SwiGLU(cfg.d_model, len(units), cfg.kernels)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

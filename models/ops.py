@@ -8,7 +8,7 @@ stock path everywhere else. Both paths compute the same functions (tests/models/
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,26 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, kernels: str = "auto") -> torch
     if cpu_path(kernels, gate):
         return cpu_kernels.swiglu(gate, up)
     return F.silu(gate) * up
+
+
+def projections(x: torch.Tensor, weights: Sequence[torch.Tensor], kernels: str = "auto") -> Tuple[torch.Tensor, ...]:
+    """``x @ w.T`` for each of ``weights`` (bias-free projections of one input, e.g. q/k/v).
+
+    On the stock path one GEMM over the weights stacked per call (cast to autocast's dtype
+    first, so the copy is the bf16 one and under torch.compile it fuses into the casts autocast
+    makes anyway); the outputs are column slices of its result. On the CPU kernels one GEMM per
+    weight: a stacked GEMM gives the same outputs and weight gradients bit for bit, but sums the
+    input's gradient over all the weights in one reduction instead of adding three GEMMs' sums,
+    which moves its low bits (and the golden tests' pinned losses) for no speed on CPU.
+    """
+    if cpu_path(kernels, x) or len(weights) == 1:
+        return tuple(F.linear(x, w) for w in weights)
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        weights = [w.to(dtype) for w in weights]
+    fused = F.linear(x, torch.cat(tuple(weights)))
+    return fused.split([w.shape[0] for w in weights], dim=-1)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernels: str = "auto") -> torch.Tensor:

@@ -55,7 +55,7 @@ class TrainConfig:
     log_every: int = 10
     ckpt_every: int = 100  # 0 = only at the end
     keep_last: int = 2  # checkpoints kept (older step-N folders are deleted)
-    compile: bool = False  # torch.compile the model
+    compile: Any = "auto"  # true | false | auto (auto: on CUDA, eager on CPU): torch.compile each block (models/common.py)
     activation_checkpointing: bool = False
     precision: str = "auto"  # Precision
     device: str = "auto"  # Device
@@ -71,6 +71,8 @@ class TrainConfig:
     profile: bool = False  # torch.profiler trace + top kernels of steps profile_start..profile_end (trainer/profile.py)
     profile_start: int = 5
     profile_end: int = 7
+    memory_check: bool = True  # refuse a run whose per-rank memory estimate cannot fit (trainer/memory.py)
+    memory_limit_gib: Optional[float] = None  # the pre-flight's limit; None: the GPU's free memory / host's MemAvailable
 
     def __post_init__(self) -> None:
         for key in ("steps", "log_every", "eval_batches"):
@@ -87,6 +89,20 @@ class TrainConfig:
                               f"got {self.profile_start}..{self.profile_end}")
         if self.max_nonfinite_steps < 1:
             raise ConfigError(f"train.max_nonfinite_steps must be >= 1, got {self.max_nonfinite_steps}")
+        self.compile = _compile_choice(self.compile)
+
+    def compiles(self, device_type: str) -> bool:
+        """Whether the blocks are compiled on this device (``auto``: on CUDA only)."""
+        return self.compile is True or (self.compile == "auto" and device_type == "cuda")
+
+
+def _compile_choice(value: Any) -> Any:
+    if isinstance(value, bool) or value == "auto":
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ConfigError(f"train.compile={value!r}: expected true, false or auto (auto compiles on CUDA and "
+                      f"runs eager on CPU), e.g. train.compile=auto")
 
 
 @dataclass

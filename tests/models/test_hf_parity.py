@@ -29,6 +29,7 @@ def _perturb_norms(model: torch.nn.Module) -> None:
 CASES = [
     ("llama", {}),  # grouped-query attention (4 heads, 2 kv heads)
     ("llama", {"n_kv_head": 4, "tie_embeddings": True, "rope_theta": 500000.0}),
+    ("llama", {"kernels": "stock"}),  # CUDA's path: q/k/v and gate/up as one GEMM each
     ("gpt", {}),
     ("gpt", {"tie_embeddings": False}),
 ]
