@@ -3,12 +3,13 @@
 Two methods (``optimizer.topk_method``), both exact: the same k, the same set as ``torch.topk``
 whenever the k-th largest value is unique.
 
-- ``exact``: ``torch.topk`` with k in the hundreds of thousands is a partial sort of the whole
-  partition. Two thresholds from a strided sample bracket the k-th largest value: everything at
-  or above the upper one is in the top-k for sure (checked: at most k of them), and the rest is
-  chosen by an exact top-k among the few values between the two thresholds (checked: enough of
-  them). When the sample misjudges, the full ``torch.topk`` runs. Among values equal to the k-th
-  largest, which ones are chosen is up to ``torch.topk``.
+- ``exact``: on CUDA, ``torch.topk`` itself (a radix select there; k is known, so nothing is read
+  back to the host). On the CPU ``torch.topk`` with k in the hundreds of thousands is a partial
+  sort of the whole partition, so two thresholds from a strided sample bracket the k-th largest
+  value: everything at or above the upper one is in the top-k for sure (checked: at most k of
+  them), and the rest is chosen by an exact top-k among the few values between the two
+  thresholds (checked: enough of them). When the sample misjudges, the full ``torch.topk`` runs.
+  Among values equal to the k-th largest, which ones are chosen is up to ``torch.topk``.
 - ``threshold``: find the k-th largest value v itself, then mark ``score > v`` and, of the
   entries equal to v, the lowest-indexed ones until there are exactly k (the tie rule: the
   canonical top-k). No index list of the k chosen entries is ever built, which is what the exact
@@ -16,7 +17,8 @@ whenever the k-th largest value is unique.
   On the CPU v comes from the same sampled bracket (a few comparison passes, then a small top-k
   of the values inside it); on CUDA, and on the CPU when the sample misjudges, from a two-pass
   radix select over the float bits with 65,536-bin histograms, which is all device tensor ops,
-  so no host synchronisation.
+  so no host synchronisation, run over slices of ``RADIX_CHUNK`` elements so that its transient
+  memory is bounded (6 bytes a slice element) whatever the partition's size.
 """
 from __future__ import annotations
 
@@ -29,6 +31,9 @@ SAMPLE_SIZE = 1 << 16
 MARGIN_SIGMAS = 5.0  # bracket half-width in binomial standard deviations of the sample count
 TOPK_METHODS = ("exact", "threshold")
 _RADIX_BINS = 1 << 16
+# elements per slice of the radix select's passes: its transient memory is at most 6 bytes a slice
+# element (96 MiB) and three histograms of 65,536 bins, whatever the partition's size
+RADIX_CHUNK = 1 << 24
 
 
 def topk_mask(score: torch.Tensor, k: int, out: torch.Tensor, method: str = "exact",
@@ -47,11 +52,21 @@ def topk_mask(score: torch.Tensor, k: int, out: torch.Tensor, method: str = "exa
         return out.zero_()
     if method == "threshold":
         return threshold_mask(score, k, out, scratch)
+    if score.device.type != "cpu":
+        return _torch_topk_mask(score, k, out)
     out.zero_()
     if n > 4 * SAMPLE_SIZE and _bracketed(score, k, out):
         return out
     out.zero_()
     out[torch.topk(score, k, sorted=False).indices] = True
+    return out
+
+
+def _torch_topk_mask(score: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
+    """``torch.topk``'s k entries set in ``out``: k is known, so nothing is read back to the host
+    (on CUDA a radix select; its transient memory is its k values and indices, 12 bytes each)."""
+    indices = torch.topk(score.reshape(-1), k, sorted=False).indices
+    out.view(-1).zero_().index_fill_(0, indices, True)
     return out
 
 
@@ -152,9 +167,10 @@ def _sparse_nonzero(marks: torch.Tensor) -> torch.Tensor:
 
 
 def _ordered_keys(score: torch.Tensor) -> torch.Tensor:
-    """int32 keys ordered as the floats are (negative floats: magnitude bits flipped)."""
-    bits = score.contiguous().view(torch.int32)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    """int32 keys ordered as the floats are (negative floats: magnitude bits flipped), in one
+    new buffer of 4 bytes an element."""
+    bits = score.view(torch.int32)
+    return torch.bitwise_right_shift(bits, 31).bitwise_and_(0x7FFFFFFF).bitwise_xor_(bits)
 
 
 def _kth_bin(hist: torch.Tensor, k: torch.Tensor):
@@ -165,24 +181,73 @@ def _kth_bin(hist: torch.Tensor, k: torch.Tensor):
     return b, from_top.index_select(0, index) - hist.index_select(0, b)
 
 
-def _radix_mask(score: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
-    """Exact k-th key by two 16-bit histogram passes, then ``>`` and the lowest-indexed ties."""
-    keys = _ordered_keys(score.reshape(-1))
-    high = ((keys >> 16) + (_RADIX_BINS // 2)).long()  # 0..65535, ordered; scatter indices
-    low = (keys & 0xFFFF).long()
-    ones = torch.ones_like(high, dtype=torch.int64)
-    hist = torch.zeros(_RADIX_BINS, dtype=torch.int64, device=score.device).scatter_add_(0, high, ones)
-    target = torch.full((1,), k, dtype=torch.int64, device=score.device)
-    high_bin, above_high = _kth_bin(hist, target)
-    in_bin = high == high_bin
-    hist_low = torch.zeros_like(hist).scatter_add_(0, low, in_bin.long())
-    low_bin, above_low = _kth_bin(hist_low, target - above_high)
-    kth_key = (((high_bin - _RADIX_BINS // 2) << 16) | low_bin).int()  # the k-th largest key
-    flat_out = out.view(-1)
-    torch.gt(keys, kth_key, out=flat_out)
+def _slices(n: int):
+    return [(start, min(start + RADIX_CHUNK, n)) for start in range(0, n, RADIX_CHUNK)]
+
+
+# Each slice's temporaries live inside one of these functions, so that they are freed before the
+# next slice's are made.
+def _add_counts(hist: torch.Tensor, counts: torch.Tensor, ones: torch.Tensor, bins: torch.Tensor) -> None:
+    """``hist`` += the counts of ``bins`` (int32 in 0..65536; 65536: not counted)."""
+    hist += counts.zero_().index_add_(0, bins, ones.expand(bins.numel()))[:_RADIX_BINS]
+
+
+def _high_bins(piece: torch.Tensor) -> torch.Tensor:
+    """The keys' high 16 bits, shifted to 0..65535 (ordered as the keys)."""
+    return _ordered_keys(piece).bitwise_right_shift_(16).add_(_RADIX_BINS // 2)
+
+
+def _low_bins(piece: torch.Tensor, first_key: torch.Tensor, last_key: torch.Tensor) -> torch.Tensor:
+    """The low 16 bits of the keys in [first_key, last_key], 65536 for the others."""
+    keys = _ordered_keys(piece)
+    outside = torch.lt(keys, first_key)
+    outside |= keys > last_key
+    return keys.bitwise_and_(0xFFFF).masked_fill_(outside, _RADIX_BINS)
+
+
+def _mark(piece: torch.Tensor, chosen: torch.Tensor, kth_key: torch.Tensor,
+          missing: torch.Tensor) -> torch.Tensor:
+    """``chosen`` = ``piece``'s keys above ``kth_key`` and its first ``missing`` ties; returns
+    ``missing`` less the ties this piece holds."""
+    keys = _ordered_keys(piece)
+    torch.gt(keys, kth_key, out=chosen)
     ties = keys == kth_key
-    missing = target - above_high - above_low  # >= 1 ties complete the k
-    flat_out |= ties & (torch.cumsum(ties, 0, dtype=torch.int32) <= missing)
+    rank = keys.copy_(ties).cumsum_(0)  # in place: the cumsum of a bool would convert it first
+    ties &= rank <= missing.clamp(max=piece.numel()).int()
+    chosen |= ties
+    return missing - rank[-1:]
+
+
+def _radix_kth(flat: torch.Tensor, k: int):
+    """(the k-th largest key, how many of the entries equal to it complete the k), both device
+    tensors, from two 16-bit histogram passes over RADIX_CHUNK-element slices."""
+    device = flat.device
+    counts = torch.empty(_RADIX_BINS + 1, dtype=torch.int32, device=device)  # one slice's
+    ones = torch.ones(1, dtype=torch.int32, device=device)
+    hist = torch.zeros(_RADIX_BINS, dtype=torch.int64, device=device)
+    for start, end in _slices(flat.numel()):
+        _add_counts(hist, counts, ones, _high_bins(flat[start:end]))
+    target = torch.full((1,), k, dtype=torch.int64, device=device)
+    high_bin, above_high = _kth_bin(hist, target)
+    first = (high_bin - _RADIX_BINS // 2) << 16  # the keys of that bin: [first, first + 0xFFFF]
+    first_key, last_key = first.int(), (first + 0xFFFF).int()
+    hist.zero_()
+    for start, end in _slices(flat.numel()):
+        _add_counts(hist, counts, ones, _low_bins(flat[start:end], first_key, last_key))
+    low_bin, above_low = _kth_bin(hist, target - above_high)
+    return (first | low_bin).int(), target - above_high - above_low
+
+
+def _radix_mask(score: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
+    """Exact k-th key by two 16-bit histogram passes, then ``>`` and the lowest-indexed ties.
+
+    Device tensor ops only (no host read), over slices of RADIX_CHUNK elements: at most 6 bytes
+    a slice element besides the histograms, whatever the partition's size."""
+    flat = score.reshape(-1).contiguous()
+    kth_key, missing = _radix_kth(flat, k)  # missing >= 1: ties complete the k
+    flat_out = out.view(-1)
+    for start, end in _slices(flat.numel()):
+        missing = _mark(flat[start:end], flat_out[start:end], kth_key, missing)
     return out
 
 

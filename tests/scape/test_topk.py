@@ -98,3 +98,83 @@ def test_scape_trains_identically_with_either_method(sparsity):
         train(model, sync, 6, rank=0)
         params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
     assert torch.equal(params[0], params[1])
+
+
+def _force_radix(monkeypatch, chunk: int) -> None:
+    """The CUDA path of the threshold method, on the CPU, over slices of ``chunk`` elements."""
+    monkeypatch.setattr(topk, "_sampled", lambda *args: False)
+    monkeypatch.setattr(topk, "RADIX_CHUNK", chunk)
+
+
+@pytest.mark.parametrize("chunk", [1000, 4096, 1 << 24])  # slices that do not divide n, and one slice
+def test_sliced_radix_select_is_the_canonical_top_k(chunk, monkeypatch):
+    _force_radix(monkeypatch, chunk)
+    n = 50_000
+    gen = torch.Generator().manual_seed(chunk)
+    inputs = {"random": torch.randn(n, generator=gen).abs(), "signed": torch.randn(n, generator=gen),
+              # ties at the k-th value spread over many slices: the count of those still
+              # missing carries from slice to slice
+              "ties": torch.randint(0, 4, (n,), generator=gen).float(),
+              "one_value": torch.full((n,), 0.5)}
+    for name, score in inputs.items():
+        for k in (1, 999, 1000, 1001, n // 10, n // 3, n - 1):
+            got = _mask(score, k, "threshold")
+            assert torch.equal(got, _canonical(score, k)), (name, k)
+            if name in ("random", "signed"):  # distinct values: the exact method's set too
+                assert torch.equal(got, _mask(score, k, "exact")), (name, k)
+
+
+def test_the_cuda_paths_read_nothing_back_to_the_host(monkeypatch):
+    # on the meta device every host read (item, bool, nonzero, boolean indexing) raises
+    monkeypatch.setattr(topk, "RADIX_CHUNK", BIG // 3 + 1)
+    score = torch.empty(BIG, device="meta")  # large enough for the CPU's sampled paths
+    out = torch.empty(BIG, dtype=torch.bool, device="meta")
+    for method in TOPK_METHODS:
+        assert topk_mask(score, BIG // 10, out, method) is out
+    for host_read in (lambda: bool(out.any()), lambda: torch.nonzero(out), lambda: score[out]):
+        with pytest.raises((RuntimeError, NotImplementedError)):  # what the meta device catches
+            host_read()
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_exact_on_cuda_is_torch_topk_and_agrees_with_the_cpu_path(ties):
+    n, k = BIG, BIG // 10
+    gen = torch.Generator().manual_seed(11)
+    score = torch.randint(0, 50, (n,), generator=gen).float() if ties else torch.rand(n, generator=gen)
+    got = topk._torch_topk_mask(score, k, torch.ones(n, dtype=torch.bool))  # every old mark cleared
+    expected = torch.zeros(n, dtype=torch.bool)
+    expected[torch.topk(score, k, sorted=False).indices] = True
+    assert torch.equal(got, expected) and int(got.sum()) == k
+    cpu = _mask(score, k, "exact")
+    kth = score[got].min()
+    assert torch.equal(cpu & (score > kth), got & (score > kth)) and int(cpu.sum()) == k
+    assert torch.equal(cpu, got) or ties  # distinct values: one top-k set
+
+
+def test_threshold_transient_memory_is_bounded():
+    """Measured: the peak resident set above the inputs, in a fresh process whose allocator maps
+    every large buffer on its own (tests/scape/topk_memory.py); one slice, then slices of n / 16."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.scape import topk_memory
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak resident set")
+    n, chunk = 1 << 22, 1 << 18
+    code = ("import json; from tests.scape.topk_memory import measure; "
+            f"print(json.dumps([measure({n}, c, 0.9, ('threshold_sampled', 'threshold_radix')) "
+            f"for c in ({topk.RADIX_CHUNK}, {chunk})]))")
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=topk_memory.MMAP_THRESHOLD, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    whole, sliced = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert whole["radix_chunk"] >= n and sliced["radix_chunk"] == chunk
+    for measured in (whole, sliced):
+        assert measured["threshold_sampled_bytes_per_element"] <= 8
+        assert measured["threshold_radix_bytes_per_element"] <= 8
+    # a fixed budget: 6 bytes a slice element and the histograms, not the partition's size
+    assert sliced["threshold_radix_bytes_per_element"] * n <= 8 * chunk + (2 << 20)
