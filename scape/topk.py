@@ -64,7 +64,7 @@ def topk_mask(score: torch.Tensor, k: int, out: torch.Tensor, method: str = "exa
 
 def _torch_topk_mask(score: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
     """``torch.topk``'s k entries set in ``out``: k is known, so nothing is read back to the host
-    (on CUDA a radix select; its transient memory is its k values and indices, 12 bytes each)."""
+    (on CUDA a radix select: besides its workspace, k values and k int64 indices, 12 bytes each)."""
     indices = torch.topk(score.reshape(-1), k, sorted=False).indices
     out.view(-1).zero_().index_fill_(0, indices, True)
     return out
@@ -213,7 +213,7 @@ def _mark(piece: torch.Tensor, chosen: torch.Tensor, kth_key: torch.Tensor,
     torch.gt(keys, kth_key, out=chosen)
     ties = keys == kth_key
     rank = keys.copy_(ties).cumsum_(0)  # in place: the cumsum of a bool would convert it first
-    ties &= rank <= missing.clamp(max=piece.numel()).int()
+    ties &= rank <= missing.clamp(0, piece.numel()).int()
     chosen |= ties
     return missing - rank[-1:]
 
