@@ -76,11 +76,9 @@ ARMS: Dict[str, List[str]] = {
     # bytes per step (run with --warmup past its sparsity warm-up, a third of --steps)
     "sparse_avg": ["optimizer=sparse_avg"],
     # bf16 drifts at 99%, the rule these arms were measured with (before 2-bit drifts became the default)
-    "sma99": ["optimizer=sparse_avg", "optimizer.sparsity=0.99", "optimizer.value_bits=0",
-              "optimizer.quantized_collective=all_gather"],
+    "sma99": ["optimizer=sparse_avg", "optimizer.sparsity=0.99", "optimizer.value_bits=0"],
     # the ranks of a host train one copy (dense over the host's loopback), sparse between hosts
     "sma99_copy_per_host": ["optimizer=sparse_avg", "optimizer.sparsity=0.99", "optimizer.value_bits=0",
-                            "optimizer.quantized_collective=all_gather",
                             "optimizer.ranks_per_copy={ranks_per_host}"],
 }
 DENSE_ARMS = ("adams", "adams_after_backward")

@@ -101,134 +101,40 @@ ARMS: Dict[str, Arm] = {arm.name: arm for arm in [
 ]}
 
 # The spec's rule at both sparsities (the defaults of optimizer=scape are the study's rule), and
-# sparse model averaging; any other rule is composed from its name (compose_arm). The sma arms
-# keep the bf16 drifts they were measured with (the rule before quantized drifts became the
-# default, and the sparsity warm-up of 5 lr warm-ups, not a third of the run); sma99q is the
-# 2-bit rule at bf16-at-99%'s bytes (the default of the seventh session), sma99s the same rule at
-# SCAPE-99's bytes (the default of the eighth to eleventh sessions), sma99c sma99s with the local
-# steps' bound following the copies (the default of the eleventh to thirteenth sessions), sma99o
-# sma99c with the owners keeping their re-quantization error (the default of the fourteenth to
-# seventeenth sessions), sma99r sma99o with a density that follows the square root of the lr (the
-# default of the eighteenth session), sma99l sma99r with the copies taking min(1, sqrt(4 / copies))
-# of their local step (the default of the nineteenth session), sma99m optimizer=sparse_avg as it
-# ships until the twenty-sixth session (sma99l with the milder slope (4 / copies)^0.37), sma99e
-# optimizer=sparse_avg as it ships until the twenty-ninth session (sma99m with the table's memory
-# 0.2 where its lr is raised), sma99t optimizer=sparse_avg as it ships (sma99e with the table's
-# bound 4.47 where its lr is raised).
-# Every sma arm before sma99c keeps the bound it was measured with, AdamS's largest step
-# 1 / sqrt(1 - b2) on any copy count.
-_BOUND_BEFORE = ("optimizer.step_bound=4.47213595499958",)
-# Every sma arm before sma99l takes the whole local step on any copy count, as it was measured.
-_WHOLE_STEP = ("optimizer.local_step_scale=1",)
-# Every sma arm before sma99e keeps the rest's memory on the table at any table lr (elrX parts).
-# Every sma arm before sma99t keeps the rest's bound on the table at any table lr (elrX parts).
-_NO_TABLE_BOUND = ("optimizer.scaled_embedding_step_bound=0",)
-_NO_TABLE_MEMORY = ("optimizer.scaled_embedding_denominator_beta=null", *_NO_TABLE_BOUND)
-_BF16_DRIFTS = ("optimizer.value_bits=0", "optimizer.quantized_collective=all_gather",
-                "optimizer.sparsity_warmup_steps=100", *_BOUND_BEFORE, *_WHOLE_STEP, *_NO_TABLE_MEMORY)
+# sparse model averaging as it ships; any other rule is composed from its name (compose_arm).
 for _pct, _sparsity in (("90", "0.9"), ("99", "0.99")):
     ARMS[f"scape{_pct}_spec"] = Arm(f"scape{_pct}_spec", f"SCAPE-{_pct}, the spec's rule",
                                     ("optimizer=scape_spec", f"optimizer.sparsity={_sparsity}"),
                                     "docs/specs/SCAPE.md as written: pre-send score, no catch-up, no warm-up", False)
-    ARMS[f"sma{_pct}"] = Arm(f"sma{_pct}", f"sparse model averaging, {_pct}%",
-                             ("optimizer=sparse_avg", f"optimizer.sparsity={_sparsity}", *_BF16_DRIFTS),
-                             "local momentum per rank over one shared denominator; k drifts per partition "
-                             "averaged each step, on a fixed cycle (no mask sent), in bf16", False)
-ARMS["sma0"] = Arm("sma0", "sparse model averaging, density 1",
-                   ("optimizer=sparse_avg", "optimizer.sparsity=0.0", *_BF16_DRIFTS),
-                   "every drift averaged every step: what the local steps + averaging cost without sparsity", False)
-ARMS["sma99q"] = Arm("sma99q", "sparse model averaging at 99%'s bytes, 2-bit drifts",
-                     ("optimizer=sparse_avg", "optimizer.sparsity=0.929", *_BOUND_BEFORE, *_WHOLE_STEP, *_NO_TABLE_MEMORY),
-                     "optimizer=sparse_avg's defaults until 2026-12-02 07:40 UTC: 2-bit drifts on 7.1% of the "
-                     "coordinates a step, a compressed all-reduce, the bytes of bf16 drifts at 99%", False)
-ARMS["sma99s"] = Arm("sma99s", "sparse model averaging at SCAPE-99's bytes, 2-bit drifts",
-                     ("optimizer=sparse_avg", "optimizer.sparsity=0.787", *_BOUND_BEFORE, *_WHOLE_STEP, *_NO_TABLE_MEMORY),
-                     "optimizer=sparse_avg's defaults from 2026-12-02 07:40 UTC to the bound that follows the "
-                     "copies: 2-bit drifts on 21% of the coordinates a step, a compressed all-reduce, SCAPE-99's "
-                     "bytes per step, local steps bounded at AdamS's largest step", False)
-ARMS["sma99c"] = Arm("sma99c", "sparse model averaging at SCAPE-99's bytes, bound by the copies",
-                     ("optimizer=sparse_avg", "optimizer.requantization_error=copy", *_WHOLE_STEP, *_NO_TABLE_MEMORY),
-                     "optimizer=sparse_avg's defaults from 2026-12-02 21:00 UTC to 2026-12-04 01:30 UTC: sma99s "
-                     "with the local steps bounded at sqrt(copies / (1 - b2)), AdamS's largest step on one "
-                     "copy's share of the batch; each owner's re-quantization error goes into its copy", False)
-ARMS["sma99o"] = Arm("sma99o", "sparse model averaging at SCAPE-99's bytes, owner-side error feedback",
-                     ("optimizer=sparse_avg", "optimizer.sparsity=0.787", "optimizer.density_lr_power=0",
-                      "optimizer.min_sparsity=0", *_WHOLE_STEP, *_NO_TABLE_MEMORY),
-                     "optimizer=sparse_avg's defaults from 2026-12-04 01:30 UTC to the eighteenth session: "
-                     "sma99c with each chunk owner keeping the re-quantization error of its mean and adding "
-                     "it to that chunk's next mean; a constant density 0.213", False)
-ARMS["sma99r"] = Arm("sma99r", "sparse model averaging at SCAPE-99's bytes over the run, density ~ sqrt(lr)",
-                     ("optimizer=sparse_avg", *_WHOLE_STEP, *_NO_TABLE_MEMORY),
-                     "optimizer=sparse_avg's defaults in the eighteenth session: sma99o with the density "
-                     "min(0.30 sqrt(lr_t / lr), 0.28), the bytes of sma99o over the run, at most 50.7x below "
-                     "dense a step", False)
-ARMS["sma99l"] = Arm("sma99l", "sparse model averaging, density ~ sqrt(lr), copies take sqrt(4 / C) of their step",
-                     ("optimizer=sparse_avg", "optimizer.local_step_scale_power=0.5", *_NO_TABLE_MEMORY),
-                     "optimizer=sparse_avg's defaults in the nineteenth session: sma99r with each copy taking "
-                     "min(1, sqrt(4 / copies)) of its local step and the exchange dividing the mean drift by it "
-                     "(the whole step up to 4 copies, half on 16)", False)
-ARMS["sma99m"] = Arm("sma99m", "sparse model averaging, density ~ sqrt(lr), copies take (4 / C)^0.37 of their step",
-                     ("optimizer=sparse_avg", *_NO_TABLE_MEMORY),
-                     "optimizer=sparse_avg's defaults from the twentieth to the twenty-sixth session: sma99l "
-                     "with the milder slope min(1, (4 / copies)^0.37) (the whole step up to 4 copies, 0.77 on "
-                     "8, 0.6 on 16)", False)
-ARMS["sma99e"] = Arm("sma99e", "sparse model averaging, density ~ sqrt(lr), the table's memory follows its lr",
-                     ("optimizer=sparse_avg", *_NO_TABLE_BOUND),
-                     "optimizer=sparse_avg's defaults from the twenty-sixth to the twenty-eighth session: sma99m "
-                     "with the shared denominator's memory 0.2 on the embedding table where the table trains "
-                     "faster than the lr (elrX), 0.95 elsewhere", False)
-ARMS["sma99t"] = Arm("sma99t", "sparse model averaging, density ~ sqrt(lr), the table's memory and bound follow its lr",
+ARMS["sma99t"] = Arm("sma99t", "sparse model averaging at SCAPE-99's bytes",
                      ("optimizer=sparse_avg",),
-                     "optimizer=sparse_avg as it ships: sma99e with the local steps on the embedding table bounded "
-                     "at AdamS's own largest step 1 / sqrt(1 - b2) = 4.47 where the table trains faster than the "
-                     "lr (elrX); sqrt(copies / (1 - b2)) elsewhere", False)
+                     "optimizer=sparse_avg as it ships: 2-bit drifts of a fixed cycle of coordinates through a "
+                     "compressed all-reduce, the density following sqrt(lr), local steps over one shared "
+                     "denominator", False)
 
 
 # Composed SCAPE arms, named by their recipe: scape99+post+cap32+warm20 (see compose_arm).
 _SPEC_RULE = ("optimizer.score_timing=pre_send", "optimizer.stale_scale_cap=1", "optimizer.stale_scale=steps",
-              "optimizer.sparsity_warmup_steps=0", "optimizer.lossless_clip=false")
+              "optimizer.sparsity_warmup_steps=0")
 _PARTS = {
     "post": (("optimizer.score_timing=post_step",), "post-step score"),
     "cap": (("optimizer.stale_scale=steps", "optimizer.stale_scale_cap={n}"), "catch-up x steps since sent, cap {n}"),
     "lrsum": (("optimizer.stale_scale=lr_sum", "optimizer.stale_scale_cap={n}"), "catch-up x lr-sum since sent, cap {n}"),
     "warm": (("optimizer.sparsity_warmup_steps={n}",), "sparsity warm-up {n} steps"),
-    "clip": (("optimizer.lossless_clip=true",), "lossless clip"),
     "noclip": (("optimizer.grad_clip=0",), "no clipping"),
     "gc": (("optimizer.grad_clip={n}",), "clipped at {n}"),
-    # sparse_avg only: every copy's gradient clipped by one factor, grad_clip / the copies' RMS norm
-    "clipsh": (("optimizer.grad_clip_scope=shared",), "one clip factor for all copies"),
     "lr": (("optimizer.lr={n}",), "lr {n}"),
-    "om": (("optimizer.outer_momentum={n}",), "outer momentum {n}"),  # sparse_avg only
-    "olr": (("optimizer.outer_lr={n}",), "outer lr {n}"),  # sparse_avg only
-    "dev": (("optimizer.mask_rule=deviation",), "deviation score"),  # sparse_avg only
-    "rand": (("optimizer.mask_rule=random",), "random mask"),  # sparse_avg only
-    "cyc": (("optimizer.mask_rule=cyclic",), "cyclic mask (none sent)"),  # sparse_avg only
-    "shnorm": (("optimizer.normalizer=shared",), "one shared denominator"),  # sparse_avg only
-    "lnorm": (("optimizer.normalizer=local",), "each rank's own denominator"),  # sparse_avg's rule before
-    "rvnorm": (("optimizer.normalizer=revealed",), "one shared denominator from the sent momenta"),  # sparse_avg only
-    "bound": (("optimizer.step_bound={n}",), "local steps bounded at {n}"),  # sparse_avg, shared D only
-    "fresh": (("optimizer.fresh_step_bound={n}",), "local steps over a D exchanged that step bounded at {n}"),
+    "bound": (("optimizer.step_bound={n}",), "local steps bounded at {n}"),  # sparse_avg only
     "emb": (("optimizer.embedding_step_bound={n}",), "local steps on the embedding table bounded at {n}"),
     # adams / adamw / sparse_avg: the lr on the embedding tables times {n}
     "elr": (("optimizer.embedding_lr_scale={n}",), "lr x {n} on the embedding table"),
-    # sparse_avg, shared D only: the copies take {n} of their local step on the embedding table
-    "elss": (("optimizer.embedding_local_step_scale={n}",), "copies take {n} of their local step on the table"),
-    # sparse_avg: the embedding table's top-k score times {n} (1 / elr: in the rest's units)
-    "esc": (("optimizer.embedding_score_scale={n}",), "the table's top-k score x {n}"),
-    # sparse_avg, shared D: D^2 averages q^2 with beta {n} per step covered (not betas[1])
+    # sparse_avg only: D^2 averages q^2 with beta {n} per step covered (not betas[1])
     "dbeta": (("optimizer.denominator_beta={n}",), "D's beta {n}"),
-    # sparse_avg, shared D: D's beta {n} on the embedding table only
+    # sparse_avg only: D's beta {n} on the embedding table only
     "edbeta": (("optimizer.embedding_denominator_beta={n}",), "D's beta {n} on the table"),
     "ownfl": (("optimizer.own_denominator_floor={n}",), "D floored at the copy's AdamS denominator / ({n} copies)"),
-    "xsend": (("optimizer.clamp_excess=send",), "what the bound cuts sent with the drift"),
-    # sparse_avg, a decomposition tool: D from every coordinate's mean momentum every step (dense bytes)
-    "ornorm": (("optimizer.normalizer=oracle",), "oracle denominator (dense momentum all-reduce)"),
-    "avgm": (("optimizer.average_momentum=true",), "momenta averaged with the drifts"),  # sparse_avg only
     "mom": (("optimizer.betas=[{n},0.95]",), "b1 {n}"),
-    # sparse_avg, shared D only: the local steps share one momentum (MimeLite's rule)
-    "cmom": (("optimizer.local_momentum=consensus",), "one consensus momentum"),
     "wd": (("optimizer.weight_decay={n}",), "weight decay {n}"),
-    "exmom": (("optimizer.exchange=momentum",), "consensus steps on the averaged momentum sums"),  # sparse_avg only
     "sp": (("optimizer.sparsity={n}",), "sparsity {n}"),
     # sparse_avg only: the density rises as rho x peak lr / lr, to at most 1 - N; or falls with the lr
     "invlr": (("optimizer.density_lr_power=-1", "optimizer.min_sparsity={n}"),
@@ -238,23 +144,13 @@ _PARTS = {
     "minsp": (("optimizer.min_sparsity={n}",), "sparsity >= {n}"),
     # sparse_avg only: N ranks train one copy (dense inside it), the exchange runs between copies
     "rpc": (("optimizer.ranks_per_copy={n}",), "{n} ranks per copy"),
-    # sparse_avg, shared D only: the copies take {n} of their local step, x the mean drift / {n}
+    # sparse_avg only: the copies take {n} of their local step, x the mean drift / {n}
     "lss": (("optimizer.local_step_scale={n}",), "copies take {n} of their local step"),
     "lsp": (("optimizer.local_step_scale=0", "optimizer.local_step_scale_power={n}"),
             "copies take min(1, (4 / C)^{n}) of their local step"),
     "bfloat": (("optimizer.value_dtype=bf16",), "bf16 values"),
-    # sparse_avg only: the drifts travel as N-bit codes (all-gathered), the rest kept in the copy
+    # sparse_avg only: the drifts travel as N-bit codes (0: value_dtype values), the rest kept in the copy
     "q": (("optimizer.value_bits={n}",), "{n}-bit drifts"),
-    # ... on mid-tread codes (a level at 0)
-    "midtread": (("optimizer.value_quantizer=midtread",), "mid-tread codes"),
-    # ... re-quantized by chunk owners: a compressed all-reduce (all-to-all + all-gather)
-    "car": (("optimizer.quantized_collective=compressed_all_reduce",), "compressed all-reduce"),
-    # ... all-gathered instead: every copy reads every copy's codes, no owner re-quantizes the mean
-    "ag": (("optimizer.quantized_collective=all_gather",), "all-gathered codes"),
-    # ... the owners keep their mean's re-quantization error (added to the chunk's next mean)
-    "own": (("optimizer.requantization_error=owner",), "owner-side error feedback"),
-    # sparse_avg's rule before the mask-rule study: the owner's top-k drifts, fp32 values
-    "topk": (("optimizer.mask_rule=drift", "optimizer.value_dtype=fp32"), "top-k drift mask, fp32 values"),
 }
 
 
@@ -263,23 +159,20 @@ _PART_NAME = re.compile(r"([a-z]+?)((?:\d+\.?\d*|\.\d+)(?:e-?\d+)?)?")
 
 def compose_arm(name: str) -> Optional[Arm]:
     """An arm named by its recipe, ``base+part+part...``: base scape90 / scape99 (the spec's rule at
-    that sparsity), sma90 / sma99 (sparse model averaging, bf16 drifts), sma99q / sma99s (2-bit drifts at
-    bf16-at-99%'s / SCAPE-99's bytes, the bound 1 / sqrt(1 - b2)), sma99c (with the bound by the copies), sma99o (the owners keep the re-quantization error), sma99r (the density following sqrt(lr)), sma99l (the copies taking sqrt(4 / C) of their step), sma99m ((4 / C)^0.37), sma99e (the table's memory follows its lr), sma99t (optimizer=sparse_avg's defaults: its bound too) or adams / adamw; parts: post, capN /
-    lrsumN (catch-up capped at N; 0 = 1 / density), warmN, clip, noclip, gcN (clipped at N), lrX, and for sparse
-    averaging omX / olrX (outer Nesterov momentum / outer lr), dev / rand / cyc / topk (mask rule), shnorm / rvnorm / lnorm (one shared
-    denominator from the drift / from momenta sent beside it / each rank's own), ornorm (D from every
-    coordinate's mean momentum each step: a decomposition tool), avgm (momenta averaged with the drifts), cmom (the local steps share one consensus momentum), momX (b1 = X, b2 the default 0.95), wdX (weight decay X), exmom (the consensus steps on the averaged momentum sums), invlrN (the density rises as the lr falls, sparsity at least N), withlr (it falls with the lr), lrpowX (it follows (lr / peak lr)^X), minspN (min_sparsity N: with withlr a cap on the density at the peak lr), rpcN (N ranks train one copy), clipsh (one clip factor for all copies), freshN (the local steps over a D exchanged that step bounded at N), embN (the local steps on the embedding table bounded at N), elrX (the lr on the embedding table times X), elssX (the copies take X of their local step on the table), escX (the table's top-k score times X), dbetaX (the shared D's beta X), edbetaX (D's beta X on the embedding table), ownflX (D floored at the copy's own AdamS denominator / (X copies)), xsend (what the bound cuts off a local step is sent with the drift), lssX (the copies take X of their local step), lspX (they take min(1, (4 / copies)^X) of it), qN (N-bit drifts with error feedback), car / ag (their compressed all-reduce / all-gather), own (the owners keep the re-quantization error); spX sets the sparsity, bfloat the
-    value dtype. None if the name is
-    not of that form."""
+    that sparsity), sma99t (optimizer=sparse_avg as it ships) or adams / adamw; parts: post, capN /
+    lrsumN (catch-up capped at N; 0 = 1 / density), warmN, noclip, gcN (clipped at N), lrX, momX
+    (b1 = X), wdX (weight decay X), elrX (the lr on the embedding table times X), spX (the
+    sparsity), bfloat (bf16 values), and for sparse averaging invlrN / withlr / lrpowX / minspN
+    (the density against the lr), rpcN (N ranks train one copy), boundN / embN (the local steps'
+    bound, on the embedding table), dbetaX / edbetaX (the shared D's beta, on the table), ownflX
+    (D floored at the copy's own AdamS denominator / (X copies)), lssX / lspX (the copies' share
+    of their local step) and qN (N-bit drifts). None if the name is not of that form."""
     base, *parts = name.split("+")
     if not parts:
         return None
     if base in ("scape90", "scape99"):
         overrides, label = [*SCAPE, f"optimizer.sparsity=0.{base[-2:]}", *_SPEC_RULE], f"SCAPE-{base[-2:]}"
-    elif base in ("sma90", "sma99"):
-        overrides, label = (["optimizer=sparse_avg", f"optimizer.sparsity=0.{base[-2:]}", *_BF16_DRIFTS],
-                            f"sparse avg {base[-2:]}%")
-    elif base in ("sma99q", "sma99s", "sma99c", "sma99o", "sma99r", "sma99l", "sma99m", "sma99e", "sma99t"):
+    elif base == "sma99t":
         overrides, label = list(ARMS[base].overrides), ARMS[base].label
     elif base in ("adams", "adamw"):
         overrides, label = [f"optimizer={base}"], {"adams": "AdamS", "adamw": "AdamW"}[base]
@@ -583,7 +476,7 @@ def markdown_table(results: Dict[str, dict], targets: List[dict], settings: dict
 
 # --- the fair protocol: every arm at its own best learning rate, several seeds --------------------
 PRESETS = {
-    "fair": {"arms": "adams,scape90,scape99,sma90,sma99",
+    "fair": {"arms": "adams,scape90,scape99,sma99t",
              "lrs": "1e-3,2e-3,3e-3,6e-3", "seeds": "1337,1"},
     # the same protocol with the embedding table at 16 lr, each arm's best multiple: AdamS, sparse
     # averaging as it ships (SCAPE-99's bytes) and at density 1 with its 2-bit codes (a 90% method)

@@ -21,7 +21,7 @@ def _resume(rank: int, world: int) -> None:
                       dict(sparsity=0.99, offload_residual=True, value_dtype="bf16",
                            stale_scale_cap=4),
                       dict(sparsity=0.9, score_timing="post_step", stale_scale="lr_sum",
-                           stale_scale_cap=0, lossless_clip=True, sparsity_warmup_steps=3)):
+                           stale_scale_cap=0, sparsity_warmup_steps=3)):
         _resume_one(rank, overrides)
 
 
@@ -50,5 +50,5 @@ def _resume_one(rank: int, overrides: dict) -> None:
 
 def test_exact_resume_through_state_dicts():
     """Plain; offloaded residual with a bf16 payload and staleness counters; post-step score with
-    lr-sum catch-up, lossless clipping and a sparsity warm-up."""
+    lr-sum catch-up and a sparsity warm-up."""
     run_distributed(_resume, world_size=2)

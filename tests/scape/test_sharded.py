@@ -2,7 +2,7 @@
 
 2 and 4 gloo ranks, 2 micro-batches per step (accumulation), the study's rule and the spec's, the
 options that touch the optimizer state (AdamW base, staleness counters, bf16 payload, offloaded
-residual, lossless clipping, dense warm-up), and an N -> N resume through the state dicts.
+residual, dense warm-up), and an N -> N resume through the state dicts.
 """
 import pytest
 import torch
@@ -19,7 +19,7 @@ CONFIGS = (
     dict(sparsity=0.9, score_timing="pre_send", stale_scale="steps", stale_scale_cap=1,
          dense_warmup_steps=3),  # the spec's rule, three dense steps (ZeRO-1's path)
     dict(sparsity=0.99, value_dtype="bf16", offload_residual=True, base="adamw", stale_scale_cap=4),
-    dict(sparsity=0.8, lossless_clip=True, sparsity_warmup_steps=3, mask_transport="indices"),
+    dict(sparsity=0.8, sparsity_warmup_steps=3, mask_transport="indices"),
 )
 STEPS = 8
 
