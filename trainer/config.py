@@ -71,6 +71,8 @@ class TrainConfig:
     profile: bool = False  # torch.profiler trace + top kernels of steps profile_start..profile_end (trainer/profile.py)
     profile_start: int = 5
     profile_end: int = 7
+    memory_check: bool = True  # refuse a run whose per-rank memory estimate cannot fit (trainer/memory.py)
+    memory_limit_gib: Optional[float] = None  # the pre-flight's limit; None: the GPU's free memory / host's MemAvailable
 
     def __post_init__(self) -> None:
         for key in ("steps", "log_every", "eval_batches"):

@@ -95,6 +95,10 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ build
     def build(self) -> "Trainer":
+        if self.cfg.train.memory_check:  # first of all: a run that cannot fit is refused before anything is written
+            from trainer.memory import check_memory
+
+            check_memory(self.cfg, self.env.world_size, self.env.device)
         self._find_resume()
         self._build_data()
         self._build_model()
