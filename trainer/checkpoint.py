@@ -17,8 +17,10 @@ Files, and who writes them (all at the same time):
 
 Every rank hashes (while writing: one pass) and fsyncs its own files; rank 0 gathers the
 checksums (a few bytes a rank) and seals. Rank 0 never reads another rank's file, so its share of
-the write is the model and meta.json whatever the number of ranks. A rank that fails to write
-reports it in the same gather, and every rank raises; the folder stays ``.tmp``.
+the write is the model and meta.json whatever the number of ranks. A rank that fails (a full disk:
+ENOSPC or a quota, any OSError) while making the folder, writing its files or sealing reports it
+in a gather, every rank raises the same CheckpointError, rank 0 removes the ``.tmp`` folder, and
+the previous checkpoints, which rotation deletes only after a complete write, stay loadable.
 
 The project's own format, not torch.distributed.checkpoint: DCP reshards tensors that are shards
 of one global tensor (DTensor), but SCAPE's residual and sparse_avg's copies are per-rank values
@@ -89,43 +91,80 @@ def _gather(obj: Any, world_size: int) -> list:
     return out
 
 
-def save_checkpoint(run_dir: Path, step: int, sync, env: DistEnv, meta: Dict[str, Any],
-                    keep_last: int) -> Path:
-    """Write ``run_dir/step-{step}`` atomically; every rank calls this (it has collectives)."""
-    final = run_dir / f"step-{step}"
-    tmp = run_dir / f".step-{step}.tmp"
-    if env.is_main:
-        if tmp.exists():
-            shutil.rmtree(tmp)  # a write killed earlier
-        tmp.mkdir(parents=True)
-    barrier()
+def _agreed(error: Optional[str], world_size: int) -> list:
+    """Every rank's error (None where it has none), on every rank: no rank raises alone and leaves
+    the others waiting in the next collective."""
+    return [e for e in _gather(error, world_size) if e is not None]
+
+
+def _attempt(fn: Callable[[], Any], rank: int) -> Optional[str]:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - every rank learns of it (``_agreed``) and raises
+        return f"rank {rank}: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _fresh_tmp(tmp: Path) -> None:
+    if tmp.exists():
+        shutil.rmtree(tmp)  # a write killed earlier
+    tmp.mkdir(parents=True)
+
+
+def _seal_and_publish(run_dir: Path, tmp: Path, final: Path, meta: Dict[str, Any], checksums: Dict[str, str],
+                      keep_last: int) -> None:
+    """Rank 0: meta.json last, the atomic rename, then the rotation (only of complete checkpoints)."""
+    seal(tmp, meta, checksums=checksums)
+    if final.exists():  # the same step saved again (e.g. a signal at a checkpoint step)
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_dir(run_dir)
+    for old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_files(tmp: Path, sync, env: DistEnv) -> tuple:
+    """This rank's files of the checkpoint: (their checksums, its error or None)."""
     model_state = sync.model_state_dict()  # collective for SDP: every rank calls it
     checksums: Dict[str, str] = {}
-    error = None
-    try:
+
+    def write() -> None:
         if env.is_main:
-            save_weights(tmp, model_state)  # hashed and fsynced by rank 0's seal below
+            save_weights(tmp, model_state)  # hashed and fsynced by rank 0's seal
         if env.rank == replicated_writer(env.world_size):
             checksums[OPTIMIZER_FILE] = save_hashed(sync.state_dict(), tmp / OPTIMIZER_FILE)
         checksums[rank_file(env.rank)] = save_hashed({"rng": capture_rng(), "sync": sync.local_state_dict()},
                                                      tmp / rank_file(env.rank))
-    except Exception as exc:  # noqa: BLE001 - every rank learns of it below and raises
-        error = f"rank {env.rank}: {type(exc).__name__}: {exc}"
+
+    error = _attempt(write, env.rank)
     del model_state
+    return checksums, error
+
+
+def save_checkpoint(run_dir: Path, step: int, sync, env: DistEnv, meta: Dict[str, Any],
+                    keep_last: int) -> Path:
+    """Write ``run_dir/step-{step}`` atomically; every rank calls this (it has collectives).
+
+    A write that fails on any rank (a full disk: ENOSPC, a quota, any OSError) fails on every rank
+    with one CheckpointError; the partial folder is removed and the previous checkpoints are kept."""
+    final, tmp = run_dir / f"step-{step}", run_dir / f".step-{step}.tmp"
+    errors = _agreed(_attempt(lambda: _fresh_tmp(tmp), env.rank) if env.is_main else None, env.world_size)
+    checksums, error = _write_files(tmp, sync, env) if not errors else ({}, None)
     reports = _gather((checksums, error), env.world_size)
-    errors = [e for _, e in reports if e is not None]
-    if errors:
-        raise CheckpointError(f"writing checkpoint {final} failed ({'; '.join(errors)}); the previous "
-                              f"checkpoints are kept and {tmp} is removed by the next save")
-    if env.is_main:
+    errors += [e for _, e in reports if e is not None]
+    if not errors:
         written = {name: digest for sums, _ in reports for name, digest in sums.items()}
-        seal(tmp, dict(meta, step=step, world_size=env.world_size), checksums=written)
-        if final.exists():  # the same step saved again (e.g. a signal at a checkpoint step)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_dir(run_dir)
-        for old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        errors = _agreed(_attempt(lambda: _seal_and_publish(run_dir, tmp, final, dict(meta, step=step,
+                                                                                       world_size=env.world_size),
+                                                            written, keep_last), env.rank)
+                         if env.is_main else None, env.world_size)
+    if errors:
+        if env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # every rank is done with it: the gathers above
+        previous = latest_checkpoint(run_dir)
+        raise CheckpointError(f"writing checkpoint {final} failed ({'; '.join(errors)}); its partial files are "
+                              f"removed and the previous checkpoint is kept ({previous or 'none yet'}). Free space "
+                              f"(or raise the quota) where {run_dir} lies and rerun with resume=auto")
     barrier()
     return final
 
@@ -197,9 +236,11 @@ class Checkpointer:
     rank's own training state, so the save runs outside ``sync.evaluation_weights()``."""
 
     def __init__(self, run_dir: Path, sync, env: DistEnv, every: int, keep_last: int,
-                 meta: Callable[[int], Dict[str, Any]]) -> None:
+                 meta: Callable[[int], Dict[str, Any]],
+                 on_failure: Optional[Callable[[int, str], None]] = None) -> None:
         self.run_dir, self.sync, self.env = run_dir, sync, env
         self.every, self.keep_last, self.meta = every, keep_last, meta
+        self.on_failure = on_failure  # records why the run stops (status.json), before the error ends it
         self.saved_at: Optional[int] = None
 
     def due(self, step: int, last: bool, stopping: bool, in_trouble: bool) -> bool:
@@ -207,7 +248,12 @@ class Checkpointer:
         return periodic or last or stopping
 
     def save(self, step: int) -> Path:
-        path = save_checkpoint(self.run_dir, step, self.sync, self.env, self.meta(step), self.keep_last)
+        try:
+            path = save_checkpoint(self.run_dir, step, self.sync, self.env, self.meta(step), self.keep_last)
+        except CheckpointError as exc:
+            if self.on_failure is not None:
+                self.on_failure(step, str(exc))
+            raise
         self.saved_at = step
         return path
 

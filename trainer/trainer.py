@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 import torch
-from omegaconf import OmegaConf
 
 from core.comm import Collectives, all_reduce_bytes
 from core.distributed import DistEnv, barrier, init_distributed, on_main, runtime_summary, shutdown
@@ -27,6 +26,7 @@ from trainer.config import Config, ConfigError, accumulation_steps, to_config
 from trainer.metrics import MetricsLogger, MetricsProcessor
 from trainer.parts import build_model_and_sync
 from trainer.profile import StepProfiler
+from trainer.run_folder import RunFolder, holds_a_run
 from trainer.schedule import lr_at
 from trainer.step import StepResult, train_step
 from trainer.validate import DownstreamEvaluator, Validator
@@ -92,6 +92,7 @@ class Trainer:
         self.run_dir = Path(cfg.out_dir) / cfg.run_name
         self.start_step, self.step = 0, 0
         self.batches = None  # the training micro-batches, once built
+        self.folder = RunFolder(self.run_dir, env.is_main)
 
     # ------------------------------------------------------------------------------ build
     def build(self) -> "Trainer":
@@ -99,6 +100,8 @@ class Trainer:
             from trainer.memory import check_memory
 
             check_memory(self.cfg, self.env.world_size, self.env.device)
+        # before anything is written: the folder's lock, a killed start noted, a resume of another run refused
+        on_main(self.env, lambda: self.folder.claim(dataclasses.asdict(self.cfg), self.cfg.resume))
         self._find_resume()
         self._build_data()
         self._build_model()
@@ -113,7 +116,7 @@ class Trainer:
         elif cfg.resume != "none":
             self.resume_from = Path(cfg.resume)
             read_meta(self.resume_from)  # fails clearly if it is not a complete checkpoint
-        elif self.run_dir.exists() and any(self.run_dir.iterdir()):
+        elif holds_a_run(self.run_dir):
             raise ConfigError(f"run directory {self.run_dir} already holds a run; pass resume=auto to continue "
                               f"it, or choose another run_name (or delete the folder)")
 
@@ -169,7 +172,7 @@ class Trainer:
         self.logger = None
         if env.is_main:  # e.g. a restart by torchrun --max-restarts before the first checkpoint
             logged_through = _trim_metrics(self.run_dir / "metrics.jsonl", self.start_step)
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(self.resolved)))
+            self.folder.record_start(self.resolved, self.resume_from)
             self._announce()
             self.logger = MetricsLogger(self.run_dir, self.cfg.logger, self.cfg.run_name, self.resolved,
                                         self.start_step, logged_through, self.total_steps)
@@ -194,7 +197,8 @@ class Trainer:
 
     def _build_components(self) -> None:
         t, env = self.cfg.train, self.env
-        self.checkpointer = Checkpointer(self.run_dir, self.sync, env, t.ckpt_every, t.keep_last, self._meta)
+        self.checkpointer = Checkpointer(self.run_dir, self.sync, env, t.ckpt_every, t.keep_last, self._meta,
+                                         on_failure=self.folder.failed)
         self.dense_bytes = all_reduce_bytes(self.full_params * 4, env.world_size)
         self.metrics = MetricsProcessor(self.logger, self.sync, self.comm, t.log_every, self.start_step,
                                         self.total_steps, t.global_batch_tokens, self.flops_per_token,
@@ -224,8 +228,7 @@ class Trainer:
                 "bytes_cumulative": self.metrics.bytes_cumulative}
 
     def _status(self, state: str, step: int) -> None:
-        if self.env.is_main:
-            _write_json(self.run_dir / "status.json", {"state": state, "step": step})
+        self.folder.status(state, step)
 
     # ------------------------------------------------------------------------------ train
     def train_step(self, step: int) -> StepResult:
@@ -325,6 +328,7 @@ class Trainer:
         if self.batches is not None:
             self.batches.close()  # the generator's finally joins its thread
         self.train_data.close()
+        self.folder.release()
 
 
 def run(cfg) -> Dict[str, Any]:
@@ -332,7 +336,9 @@ def run(cfg) -> Dict[str, Any]:
     stop = StopSignal()  # first, so a signal during a long start-up still ends cleanly
     config = to_config(cfg)  # the one conversion; every value is checked here
     env = init_distributed(config.train.device, config.train.dist_timeout_s)
+    trainer = Trainer(config, env, stop)
     try:
-        return Trainer(config, env, stop).build().train()
+        return trainer.build().train()
     finally:
+        trainer.folder.release()
         shutdown()
