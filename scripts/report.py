@@ -440,7 +440,7 @@ def adamw_row() -> List[str]:
     gap = adamw["seeds"][FIRST_SEED] - adams["seeds"][FIRST_SEED]
     return ["AdamW (`optimizer=adamw`)", "dense (1×)",
             f"{fmt_gap(gap)} with one lr for the whole model (lr {fmt_lr(adamw['best'])} against AdamS's "
-            f"{fmt_lr(adams['best'])}, 1 seed)", "the default of `python train.py`; a real second moment",
+            f"{fmt_lr(adams['best'])}, 1 seed)", "dense training where bytes do not matter (the default of `python train.py`)",
             "with the table at 16 lr; against the sparse methods"]
 
 
