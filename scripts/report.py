@@ -309,6 +309,23 @@ def build_wire() -> List[str]:
             *command_lines(["network_wire.json"])]
 
 
+def build_gpu_check() -> List[str]:
+    data = load("gpu_check.json", optional=True)
+    if data is None:
+        return ["*Not run yet: docs/results/gpu_check.json is missing (`bash scripts/gpu_check.sh` on one GPU "
+                "writes it).*"]
+    rows = []
+    for name, part in data["parts"].items():
+        checks = part.get("checks", [])
+        misses = [c["name"] for c in checks if not c.get("ok")]
+        rows.append([name, "ok" if part.get("ok") else "**failed**",
+                     f"{len(checks) - len(misses)} of {len(checks)}", "; ".join(misses) or part.get("error", "") or "—"])
+    wall = data.get("wall_s")
+    return [*table(["part", "result", "checks passed", "missed"], rows, align="llrl"), "",
+            f"Command: `{data.get('command', 'bash scripts/gpu_check.sh')}`"
+            + (f", {wall:.0f} s" if isinstance(wall, (int, float)) else "") + f" ({link('gpu_check.json')})."]
+
+
 def build_sdp_memory() -> List[str]:
     rows = []
     for name in ("bench_sdp_adams_block.json", "bench_sdp_scape90.json"):
@@ -481,7 +498,7 @@ def build_readme_optimizers() -> List[str]:
 BUILDERS: Dict[str, Callable[[], List[str]]] = {
     "quality": build_quality, "horizon": build_horizon, "batch": build_batch, "copies": build_copies,
     "sdp-quality": build_sdp_quality, "bytes": build_bytes, "optimizer-work": build_optimizer_work,
-    "network": build_network, "wire": build_wire, "sdp-memory": build_sdp_memory,
+    "network": build_network, "wire": build_wire, "gpu-check": build_gpu_check, "sdp-memory": build_sdp_memory,
     "optimizer-memory": build_optimizer_memory, "model-speed": build_model_speed,
     "quickstart": build_quickstart, "readme-quickstart": build_readme_quickstart,
     "readme-tests": build_readme_tests, "readme-optimizers": build_readme_optimizers,

@@ -108,3 +108,16 @@ def test_the_best_lr_is_chosen_on_the_first_seed_and_gaps_are_paired_by_seed(tmp
     assert method.endswith("| 50.0% |")
     assert report.clean_command("python x.py --cache-dir /a/b --corpus /c/d/t.txt --n 1") == \
         "python x.py --corpus t.txt --n 1"
+
+
+def test_the_gpu_check_becomes_a_table_of_its_parts_with_the_misses_named(copy):
+    results = copy / "docs" / "results"
+    (results / "gpu_check.json").write_text(json.dumps({
+        "command": "bash scripts/gpu_check.sh", "wall_s": 412.0, "ok": False,
+        "parts": {"kernels": {"ok": True, "checks": [{"name": "nan", "ok": True}, {"name": "inf", "ok": True}]},
+                  "mfu": {"ok": False, "checks": [{"name": "llama500m: mfu", "ok": False}]}}}))
+    assert report.main([]) == 0
+    text = (copy / "docs" / "RESULTS.md").read_text()
+    assert "| kernels | ok | 2 of 2 | — |" in text
+    assert "| mfu | **failed** | 0 of 1 | llama500m: mfu |" in text
+    assert "`bash scripts/gpu_check.sh`, 412 s" in text
