@@ -302,9 +302,11 @@ def build_wire() -> List[str]:
     if data is None:
         return ["*Not measured yet: docs/results/network_wire.json is missing (it holds the bytes a packet "
                 "capture saw on the link against the bytes the counters counted).*"]
-    rows = [[f"`{a['arm']}`", f"{a['counted_bytes']:,.0f}", f"{a['measured_bytes']:,.0f}", f"{a['ratio']:.3f}"]
-            for a in data["arms"]]
-    return [*table(["arm", "counted bytes", "bytes on the wire", "wire / counted"], rows), "",
+    bounded = any("within_bound" in a for a in data["arms"])
+    rows = [[f"`{a['arm']}`", f"{a['counted_bytes']:,.0f}", f"{a['measured_bytes']:,.0f}", f"{a['ratio']:.3f}",
+             *([("yes" if a.get("within_bound") else "**no**")] if bounded else [])] for a in data["arms"]]
+    header = ["arm", "counted bytes", "bytes on the wire", "wire / counted", *(["within the bound"] if bounded else [])]
+    return [*table(header, rows), "",
             f"Link: {data['link']}; the overhead bound: {data['overhead_bound']}.", "",
             *command_lines(["network_wire.json"])]
 
