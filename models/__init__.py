@@ -4,6 +4,7 @@ Public surface (other parts code against it):
     build_model(cfg, subnet=None, device=None) -> nn.Module
     model(idx, targets=None) -> logits [B, T, V] | scalar fp32 loss
     model.set_activation_checkpointing(enabled)
+    model.compile_blocks(**torch_compile_options)   # train.compile: each block on its own
     flops_per_token(cfg, subnet=None) -> float
     count_parameters(model) -> int
     models.subnet: SubnetSpec, slice_state_dict, scatter_state_dict, parameter_slices
