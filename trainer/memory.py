@@ -145,7 +145,8 @@ def _kernel_path(cfg: Any, device_type: str) -> Tuple[str, int]:
     return ("cpu" if cpu else "stock"), (2 if bf16 and not cpu else 4)
 
 
-def _block_bytes_per_token(family: str, path: str, a: int, d: int, b: _Block, length: int) -> float:
+def _block_bytes_per_token(family: str, path: str, a: int, d: int, b: _Block, length: int,
+                           device_type: str = "cuda") -> float:
     """Bytes autograd saves per token in one block's forward (each line's comment lists them)."""
     q, kv, f, heads = b.q_width, b.kv_width, b.units, b.heads
     if path == "cpu":  # fp32, models/cpu_kernels.py: one GEMM per projection, shared input
@@ -154,14 +155,17 @@ def _block_bytes_per_token(family: str, path: str, a: int, d: int, b: _Block, le
         else:  # SDPA's CPU flash kernel: q, k (rotated), v and the log-sum-exp
             attention = 4 * (q + 2 * kv) + 4 * heads
         if family == "llama":  # x, rstd, normed x, o_proj input; x', rstd, normed x'; gate, up, h
-            return 4 * (d + d + q) + 8 + attention + 4 * (d + d) + 8 + 12 * f
+            return 4 * (d + d + q) + 4 + attention + 4 * (d + d) + 4 + 12 * f
         # x, normed x, o_proj input, LayerNorm statistics; x', normed x'; fc and gelu outputs
         return 4 * (d + d + q) + 16 + attention + 4 * (d + d) + 8 * f
     if family == "llama":  # models/ops.py's stock path: q/k/v and gate/up as one GEMM each
         # x, rstd, normed x (cast once under autocast); q/k/v output (RoPE keeps it whole), q and
         # k rotated, attention output, lse; x', rstd, normed x'; gate/up output, silu, product
-        return (4 * d + 4 + a * d + a * (q + 2 * kv) + a * (q + kv) + a * q + 4 * heads
-                + 4 * d + 4 + a * d + 2 * a * f + 2 * a * f)
+        saved = (4 * d + 4 + a * d + a * (q + 2 * kv) + a * (q + kv) + a * q + 4 * heads
+                 + 4 * d + 4 + a * d + 2 * a * f + 2 * a * f)
+        if device_type == "cpu":  # F.rms_norm's CPU composite also keeps x / rms (CUDA's fused one not)
+            saved += 2 * 4 * d
+        return saved
     # GPT: x, LayerNorm statistics, normed x (fp32, cast once for the one q/k/v GEMM under
     # autocast); q/k/v output (its views kept whole), attention output, lse; x', normed x';
     # fc output, gelu output
@@ -192,7 +196,7 @@ def _add_activations(est: MemoryEstimate, cfg: Any, blocks: List[_Block], device
     m, t = cfg.model, cfg.train
     tokens = t.micro_batch_size * m.seq_len
     path, a = _kernel_path(cfg, device_type)
-    per_block = [_block_bytes_per_token(m.family, path, a, m.d_model, b, m.seq_len) for b in blocks]
+    per_block = [_block_bytes_per_token(m.family, path, a, m.d_model, b, m.seq_len, device_type) for b in blocks]
     largest = max(blocks, key=lambda b: b.units + b.q_width) if blocks else None
     if t.activation_checkpointing:  # each block keeps its input; backward recomputes one block
         est.add("activations: block inputs (checkpointed)", 4 * m.d_model * tokens * len(blocks), "activations")
