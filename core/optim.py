@@ -19,8 +19,9 @@ DENSE_OPTIMIZERS = ("adamw", "adams")
 
 @dataclass
 class DenseOptimizerConfig:
-    """The keys of the Hydra group ``optimizer`` that every optimizer reads (SCAPE adds its own
-    in scape/config.py); the learning-rate schedule and clipping are the Trainer's."""
+    """The keys of the Hydra group ``optimizer`` that every optimizer reads (each optimizer's
+    config adds its own: ``AdamWConfig``, ``AdamSConfig``, scape/config.py); the learning-rate
+    schedule and clipping are the Trainer's (trainer/config.py checks them)."""
     name: str = "adamw"  # adamw | adams | scape | sparse_avg
     lr: float = 3e-3
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -38,6 +39,33 @@ class DenseOptimizerConfig:
     # the learning rate on the embedding tables (torch.nn.Embedding weights, a tied head with
     # them) is lr times this; adamw and adams without shard, and sparse_avg
     embedding_lr_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_dense_keys(self)
+
+
+def check_dense_keys(cfg: "DenseOptimizerConfig") -> None:
+    """The keys every optimizer shares, beyond the Trainer's: a bad value fails at start-up."""
+    betas = list(cfg.betas) if isinstance(cfg.betas, (list, tuple)) else None
+    if not (betas and len(betas) == 2 and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"optimizer.betas={cfg.betas!r} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
+    if not (isinstance(cfg.eps, (int, float)) and math.isfinite(cfg.eps) and cfg.eps > 0):
+        raise ValueError(f"optimizer.eps={cfg.eps!r} must be a number > 0 (e.g. 1e-8)")
+    if not (isinstance(cfg.weight_decay, (int, float)) and math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
+        raise ValueError(f"optimizer.weight_decay={cfg.weight_decay!r} must be a number >= 0 (0 = off)")
+    embedding_lr_scale(cfg)
+
+
+@dataclass
+class AdamWConfig(DenseOptimizerConfig):
+    """``optimizer=adamw``: torch's AdamW (fused on CUDA), weight decay on matrices only."""
+    name: str = "adamw"
+
+
+@dataclass
+class AdamSConfig(DenseOptimizerConfig):
+    """``optimizer=adams``: AdamS (docs/specs/SCAPE.md, "AdamS (dense)"), one state buffer."""
+    name: str = "adams"
 
 
 # A fused element-wise AdamS over one contiguous 1-D buffer (scape.kernels.adams_dense_update's

@@ -75,7 +75,7 @@ from core.comm import Collectives, all_gather_bytes, all_reduce_bytes, all_to_al
 from core.flat import embedding_weight_ids
 from scape import kernels
 from scape.accounting import VALUE_BYTES
-from scape.config import OptimizerConfig
+from scape.config import SparseAverageConfig
 from scape.masking import MaskedSynchronizer
 from scape.options import as_dataclass, embedding_denominator_beta, embedding_step_bound, validate_sparse_avg
 from scape.partition import Partitioning
@@ -107,7 +107,7 @@ class _LocalMomentum:
     """This rank's momentum over the flat buffer y_i and torch-like ``param_groups`` (the step
     itself is ``_SharedNormalizer.local_step``)."""
 
-    def __init__(self, param: torch.Tensor, decay_end: int, cfg: OptimizerConfig) -> None:
+    def __init__(self, param: torch.Tensor, decay_end: int, cfg: SparseAverageConfig) -> None:
         self.param, self.decay_end = param, decay_end
         self.beta1, self.beta2 = float(cfg.betas[0]), float(cfg.betas[1])
         self.eps, self.weight_decay = float(cfg.eps), float(cfg.weight_decay)
@@ -155,8 +155,7 @@ class _SharedNormalizer:
     D is built from what the exchange reveals. When a coordinate's drifts are averaged after
     local steps with learning rates lr_s, the copies all left x there with the same D, so
     q = -mean_i d_i D / sum_s lr_s is the lr-weighted mean of the bias-corrected mean momentum
-    over those steps. D^2 is an exponential average of q^2 (memory ``denominator_beta``, b2 by
-    default), bias-corrected, updated at each exchange with the weight 1 - beta^S of the S steps
+    over those steps. D^2 is an exponential average of q^2 (memory b2), bias-corrected, updated at each exchange with the weight 1 - beta^S of the S steps
     it covers. Step 1's clipped mean gradient starts it (D = |mean g|). Three replicated buffers
     besides D: the raw average, the lr sum since the last exchange, and that exchange's step.
     """
@@ -167,14 +166,13 @@ class _SharedNormalizer:
     STATE_KEYS = ("second", "lr_sum", "last", "denominator")
 
     def __init__(self, like: torch.Tensor, beta: float, eps: float, bound: float = 0.0, copies: int = 1,
-                 own_floor: float = 0.0, memory: Optional[float] = None) -> None:
-        self.beta, self.eps = beta, eps
-        # D^2's average of q^2 per step covered: a number, or a tensor where a parameter group has its own
+                 memory: Optional[float] = None) -> None:
+        self.eps = eps
+        # D^2's average of q^2 per step covered (b2 unless given): a number, or a tensor where a
+        # parameter group has its own
         self.memory: Any = float(beta if memory is None else memory)
         self.bound = bound or default_step_bound(beta, copies)
         self.bounds: Optional[torch.Tensor] = None  # the bound per coordinate, where a group has its own
-        # own_denominator_floor f: D floored at the copy's own AdamS denominator / (f copies); 0 = none
-        self.own_floor, self.copies = own_floor, copies
         self.lr_scales: Optional[torch.Tensor] = None  # the lr's multiple per coordinate; None = 1
         self.second = torch.zeros_like(like)  # the average of q^2, not bias-corrected
         self.lr_sum = torch.zeros_like(like)  # learning rates summed since the last exchange
@@ -239,8 +237,7 @@ class _SharedNormalizer:
         divides by counts the whole lr (the exchange divides the mean drift by s first). c is
         ``default_step_bound`` (``optimizer.step_bound`` sets it by hand), per coordinate where a
         parameter group has its own; it binds where this rank's momentum is far above the shared
-        scale (logged as ``scape/clamped_fraction``). With ``own_floor`` f, D is floored at this
-        copy's own AdamS denominator / (f C). ``lr_scales``: the lr's multiple per coordinate, in
+        scale (logged as ``scape/clamped_fraction``). ``lr_scales``: the lr's multiple per coordinate, in
         the step, its weight decay and the lr sum, so q is the mean momentum there too.
         """
         mult = self.lr_scales
@@ -249,13 +246,8 @@ class _SharedNormalizer:
                 param[:decay_end].mul_(1.0 - share * lr * weight_decay)
             else:
                 param[:decay_end].mul_(torch.mul(mult[:decay_end], -share * lr * weight_decay).add_(1.0))
-        denominator = self.denominator
-        if self.own_floor:  # AdamS's denominator of this copy's own step, over the copies
-            own = (momentum / bias_correction).square_().mul_(self.beta)
-            own.addcmul_(grad, grad, value=1.0 - self.beta).sqrt_().div_(self.own_floor * self.copies)
-            denominator = torch.maximum(denominator, own)
         momentum.mul_(beta1).add_(grad, alpha=1.0 - beta1)
-        update = torch.div(momentum, denominator).mul_(1.0 / bias_correction)
+        update = torch.div(momentum, self.denominator).mul_(1.0 / bias_correction)
         bound: Any = self.bound if self.bounds is None else self.bounds
         self.clamped = (update.abs() > bound).sum()  # a device tensor: read at log steps only
         update.clamp_(-bound, bound)
@@ -380,9 +372,11 @@ class _Cycle:
 class SparseAverageSynchronizer(MaskedSynchronizer):
     """Sparse model averaging over one flat fp32 view of the model's trainable parameters."""
 
-    def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig,
+    def __init__(self, model: torch.nn.Module, cfg: SparseAverageConfig,
                  comm: Optional[Collectives] = None) -> None:
         cfg = as_dataclass(cfg)
+        if not isinstance(cfg, SparseAverageConfig):
+            raise ValueError(f"sparse averaging needs optimizer=sparse_avg's config, got optimizer={cfg.name}")
         validate_sparse_avg(cfg)
         self.cfg = cfg
         decay_numel = self._flatten(model, NAME, comm=comm)  # self.flat.data is y_i
@@ -397,9 +391,8 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self.quantized = (_CompressedAllReduce(self.exchange_comm, self.copies, int(cfg.value_bits),
                                                self.value_dtype, self.layout.padded_numel, self.device)
                           if cfg.value_bits else None)
-        self.normalizer = _SharedNormalizer(
-            self.consensus, float(cfg.betas[1]), float(cfg.eps), float(cfg.step_bound), self.copies,
-            float(cfg.own_denominator_floor), None if cfg.denominator_beta is None else float(cfg.denominator_beta))
+        self.normalizer = _SharedNormalizer(self.consensus, float(cfg.betas[1]), float(cfg.eps), float(cfg.step_bound),
+                                            self.copies)
         self._table_settings(model, cfg)
         self.step_count = 0  # steps completed
         self._local_norm: Optional[torch.Tensor] = None
@@ -423,7 +416,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             self.copy_comm = self.comm.in_group(groups[self.rank // size])
             self.exchange_comm = self.comm.in_group(groups[self.copies + self.rank % size])
 
-    def _table_settings(self, model: torch.nn.Module, cfg: OptimizerConfig) -> None:
+    def _table_settings(self, model: torch.nn.Module, cfg: SparseAverageConfig) -> None:
         """The embedding tables' lr multiple, step bound and D's memory, per flat coordinate."""
         n = self.normalizer
         table_bound = embedding_step_bound(cfg)

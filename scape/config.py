@@ -1,71 +1,144 @@
-"""The optimizer selector's config schema (Hydra group ``optimizer``).
+"""The configs of the methods' optimizers (Hydra group ``optimizer``): one dataclass each.
 
-One dataclass for AdamW, AdamS, SCAPE and sparse model averaging: the keys every optimizer reads
-come from core.optim.DenseOptimizerConfig; the SCAPE keys (docs/specs/SCAPE.md, "Options") are
-ignored by the dense optimizers (sparse_avg reads the mask keys and refuses the SCAPE-only ones).
+``ScapeConfig`` (``optimizer=scape``; the spec's rule is ``optimizer=scape_spec``) and
+``SparseAverageConfig`` (``optimizer=sparse_avg``) add their keys to the ones every optimizer
+reads (core.optim.DenseOptimizerConfig, whose ``AdamWConfig`` and ``AdamSConfig`` are the dense
+optimizers'). Each checks its own values when it is built, and its defaults are the ones its
+conf/optimizer/*.yaml file composes to (tests/trainer/test_config.py). The one exception is the
+sparsity warm-up, which the yaml files tie to the run's own schedule (0 here: none).
+``optimizer_config`` builds the right one from a name and its values, refusing a key the
+optimizer does not have.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Dict, Mapping, Optional, Type
 
-from core.optim import DenseOptimizerConfig
+from core.optim import AdamSConfig, AdamWConfig, DenseOptimizerConfig
 
 
 @dataclass
-class OptimizerConfig(DenseOptimizerConfig):
-    # --- SCAPE ---
-    sparsity: float = 0.99
-    dense_warmup_steps: int = 1
-    sparsity_warmup_steps: int = 0
-    mask_transport: str = "auto"  # bitmap | indices | auto
+class ScapeConfig(DenseOptimizerConfig):
+    """SCAPE (docs/specs/SCAPE.md, "Options"): AdamS with sparse, shared-mask communication of
+    the first-moment contribution. The defaults are the study's rule; ``SPEC_RULE`` is the
+    spec's as written (``optimizer=scape_spec``)."""
+    name: str = "scape"
+    sparsity: float = 0.99  # 1 - density: k = ceil((1 - sparsity) * partition) values per partition
+    dense_warmup_steps: int = 1  # the first W steps all-reduce the dense gradient (>= 1: no mask yet)
+    sparsity_warmup_steps: int = 0  # density from 1 to 1 - sparsity geometrically over this many steps
+    mask_transport: str = "auto"  # bitmap | indices | auto (indices when density < 1/32)
     topk_method: str = "exact"  # exact | threshold: how the k per partition are found (same k, same set)
-    value_dtype: str = "fp32"  # fp32 | bf16
-    offload_residual: bool = False
-    lag: bool = True
+    value_dtype: str = "fp32"  # fp32 | bf16: the all-reduce payload
+    offload_residual: bool = False  # the residual in CPU memory, streamed in double-buffered chunks
     overlap_backward: bool = True  # with lag: the value all-reduce starts during the last backward
-    update: str = "lazy"  # lazy | all
-    # the study's rule (conf/optimizer/scape.yaml); the spec's: pre_send, steps, 1 (optimizer=scape_spec)
-    score_timing: str = "post_step"  # post_step | pre_send (with lag=true; lag=false scores the step itself)
+    update: str = "lazy"  # lazy (mask only) | all (AdamS everywhere, ghat = 0 off the mask)
+    score_timing: str = "post_step"  # post_step (b1 m_t + e after the send) | pre_send (the spec's)
     stale_scale: str = "lr_sum"  # lr_sum | steps: how the staleness of a lazy step is measured
     stale_scale_cap: float = 32.0  # 1 = off; > 1: scale a lazy step by min(staleness, cap); 0 = 1/density
-    # read by SCAPE's synchroniser until it drops the rule (measured worse; docs/JOURNAL.md): always False
-    lossless_clip: bool = False
-    base: str = "adams"  # adams | adamw
-    score: str = "moment"  # moment | gradient
-    # --- sparse model averaging (optimizer=sparse_avg) only ---
-    # the density follows the lr: (1 - sparsity) x (lr_t / lr)^density_lr_power, lr_t the last
-    # step's lr and lr the peak; at most 1 - min_sparsity, never below the sparsity warm-up's
-    density_lr_power: float = 0.0
-    min_sparsity: float = 0.0
-    # the share of its local step a copy takes: y_i moves by local_step_scale x the step, and an
-    # exchange adds the mean drift / local_step_scale to x, so the averaged model moves as at 1
-    # while the copies stray less from x. 0 = min(1, (4 / copies)^local_step_scale_power)
-    local_step_scale: float = 1.0
-    local_step_scale_power: float = 0.37
-    # the shared denominator's memory: D^2 is an average of the revealed q^2 with this beta per
-    # step covered (None = betas[1]; 0 = D is the last revealed |q|)
-    denominator_beta: Optional[float] = None
-    # denominator_beta on the embedding tables' coordinates (None = denominator_beta)
-    embedding_denominator_beta: Optional[float] = None
-    # the tables' memory where they train faster than the lr (embedding_lr_scale > 1) and
-    # embedding_denominator_beta is None; None = denominator_beta there too
-    scaled_embedding_denominator_beta: Optional[float] = None
-    # ranks that train one copy together (a dense gradient all-reduce among them, as DDP): set
-    # to the GPUs per node and the sparse exchange runs between nodes only, among fewer copies
-    ranks_per_copy: int = 1
-    # the bound on a local step's |(m / bc) / D|; 0 = sqrt(copies / (1 - b2)), AdamS's largest step
-    # on one copy's share of the batch
+    # the paper's ablations, which the study reproduces (docs/specs/SCAPE.md, "Ablations")
+    lag: bool = True  # false: the mask from the current step, its all-gather on the critical path
+    base: str = "adams"  # adamw: keep v, Adam's bias corrections
+    score: str = "moment"  # gradient: top-k of |a| (DGC-style)
+
+    # the spec's rule as written: the next mask scored before the send, no catch-up, no sparsity warm-up
+    SPEC_RULE: ClassVar[Dict[str, Any]] = dict(score_timing="pre_send", stale_scale="steps",
+                                               stale_scale_cap=1.0, sparsity_warmup_steps=0)
+    # not options of SCAPE: its mask's density is constant, and clipping drops what it removes
+    density_lr_power: ClassVar[float] = 0.0
+    min_sparsity: ClassVar[float] = 0.0
+    lossless_clip: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        from scape.options import validate_config
+
+        validate_config(self)
+
+
+@dataclass
+class SparseAverageConfig(DenseOptimizerConfig):
+    """Sparse model averaging (scape/averaging.py): every rank steps its own copy over one shared
+    denominator; each step averages the drifts of the next window of a fixed cycle of
+    coordinates, as 2-bit codes through a compressed all-reduce."""
+    name: str = "sparse_avg"
+    lr: float = 1e-3
+    # the density (1 - sparsity) x (lr_t / lr) ^ density_lr_power, at most 1 - min_sparsity
+    sparsity: float = 0.7
+    density_lr_power: float = 0.5
+    min_sparsity: float = 0.72
+    dense_warmup_steps: int = 1  # steps 2..W average the whole drift
+    sparsity_warmup_steps: int = 0  # density from 1 to 1 - sparsity geometrically over this many steps
+    value_bits: int = 2  # 1, 2 or 4: the drifts as codes (compressed all-reduce) | 0: value_dtype values
+    value_dtype: str = "bf16"  # bf16 | fp32: the codes' scales (with value_bits 0: the drifts)
+    # the largest local step over the shared denominator, in lr: 0 = sqrt(copies / (1 - b2))
     step_bound: float = 0.0
-    # the bound on the coordinates of the model's embedding tables; 0 = step_bound
-    embedding_step_bound: float = 0.0
+    embedding_step_bound: float = 0.0  # the bound on the nn.Embedding tables: 0 = step_bound
     # the tables' bound where they train faster than the lr (embedding_lr_scale > 1) and
     # embedding_step_bound is 0; 0 = step_bound there too
-    scaled_embedding_step_bound: float = 0.0
-    # f > 0: a copy's local step divides by max(D, its own AdamS denominator / (f copies)); 0 = no floor
-    own_denominator_floor: float = 0.0
-    # 0: the drifts travel in value_dtype through one all-reduce; 1, 2 or 4: as that many bits per
-    # value (one value_dtype scale per 64 values; scape/quantize.py) through a compressed
-    # all-reduce, each copy keeping what its codes leave out and each chunk's owner what its
-    # re-quantized mean leaves out
-    value_bits: int = 0
+    scaled_embedding_step_bound: float = 4.47
+    # the share of its local step a copy takes: 0 = min(1, (4 / copies) ^ local_step_scale_power)
+    local_step_scale: float = 0.0
+    local_step_scale_power: float = 0.37
+    # D^2's average of q^2 per step covered on the nn.Embedding tables; None = betas[1]
+    embedding_denominator_beta: Optional[float] = None
+    # that memory where the tables train faster than the lr and embedding_denominator_beta is None
+    scaled_embedding_denominator_beta: Optional[float] = 0.2
+    ranks_per_copy: int = 1  # ranks that train one copy (their gradients averaged densely, as DDP)
+
+    # not options here: every rank computes the cycle alike, no score is ranked
+    mask_transport: ClassVar[str] = "auto"
+    topk_method: ClassVar[str] = "exact"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        from scape.options import validate_sparse_avg
+
+        validate_sparse_avg(self)
+
+
+OPTIMIZER_CONFIGS: Dict[str, Type[DenseOptimizerConfig]] = {
+    "adamw": AdamWConfig, "adams": AdamSConfig, "scape": ScapeConfig, "sparse_avg": SparseAverageConfig}
+
+
+_OWNERS = {"adamw": "an AdamW", "adams": "an AdamS", "scape": "a SCAPE", "sparse_avg": "a sparse_avg"}
+
+
+def config_keys(name: str) -> tuple:
+    return tuple(f.name for f in fields(OPTIMIZER_CONFIGS[name]))
+
+
+def refuse_unknown_keys(name: str, values: Mapping[str, Any]) -> None:
+    """A key optimizer=name does not have is an error naming it (and the optimizer it belongs to)."""
+    if name not in OPTIMIZER_CONFIGS:
+        raise ValueError(f"optimizer.name={name!r} must be one of {', '.join(OPTIMIZER_CONFIGS)}")
+    known = config_keys(name)
+    for key in values:
+        if key in known:
+            continue
+        owners = [_OWNERS[other] for other in OPTIMIZER_CONFIGS if key in config_keys(other)]
+        where = f"is {owners[-1]} option; " if owners else "is not a key; "
+        raise ValueError(f"optimizer.{key}={values[key]!r} {where}optimizer={name} does not use it (its keys: "
+                         f"{', '.join(known)}): remove it, or choose the optimizer that has it")
+
+
+def optimizer_config(values: Optional[Mapping[str, Any]] = None, **more: Any) -> DenseOptimizerConfig:
+    """The config of optimizer ``values["name"]`` (adamw if none) from its values: unknown keys
+    refused, every value checked by the dataclass."""
+    values = {**(values or {}), **more}
+    name = values.get("name", "adamw")
+    refuse_unknown_keys(name, values)
+    cls = OPTIMIZER_CONFIGS[name]
+    try:  # the values as the schema types them (a command line's "3" for a float), else a clear error
+        from omegaconf import OmegaConf
+        from omegaconf.errors import ValidationError
+    except ImportError:  # pragma: no cover - hydra is a dependency of the trainer
+        return cls(**values)
+    try:
+        typed = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(cls), values))
+    except ValidationError as exc:
+        raise ValueError(f"optimizer={name}: {exc}".splitlines()[0] + f" (key {exc.full_key})") from None
+    return cls(**typed)
+
+
+# the config of the optimizer its ``name`` says (AdamW without one): one call for every optimizer
+OptimizerConfig = optimizer_config

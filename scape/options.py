@@ -1,11 +1,12 @@
-"""Validation of the SCAPE keys of ``OptimizerConfig``: a bad setting fails at start-up, naming the key."""
+"""Validation of the SCAPE and sparse averaging keys: a bad setting fails at start-up, naming the key."""
 from __future__ import annotations
 
 import math
 from typing import Optional
 
 from core.optim import embedding_lr_scale
-from scape.config import OptimizerConfig
+from core.optim import DenseOptimizerConfig
+from scape.config import optimizer_config
 from scape.quantize import BITS as QUANTIZED_BITS
 from scape.topk import TOPK_METHODS
 from scape.transport import TRANSPORTS
@@ -24,13 +25,13 @@ def _choice(key: str, value, allowed) -> None:
                          f"{', '.join(map(str, allowed))}")
 
 
-def as_dataclass(cfg) -> OptimizerConfig:
-    """A plain ``OptimizerConfig`` from Hydra's DictConfig (or a dict).
+def as_dataclass(cfg) -> DenseOptimizerConfig:
+    """The optimizer's own config from Hydra's DictConfig (or a dict); a config passes through.
 
     The key ``update`` collides with DictConfig's ``update`` method (``cfg.update`` is the method),
     so SCAPE never reads its settings through attribute access on a DictConfig.
     """
-    if isinstance(cfg, OptimizerConfig):
+    if isinstance(cfg, DenseOptimizerConfig):
         return cfg
     try:
         from omegaconf import DictConfig, OmegaConf
@@ -39,36 +40,32 @@ def as_dataclass(cfg) -> OptimizerConfig:
     if DictConfig and isinstance(cfg, DictConfig):
         cfg = OmegaConf.to_container(cfg, resolve=True)
     if isinstance(cfg, dict):
-        known = OptimizerConfig.__dataclass_fields__
-        unknown = sorted(set(cfg) - set(known))
-        if unknown:
-            raise ValueError(f"unknown optimizer keys {unknown}; known: {', '.join(known)}")
-        return OptimizerConfig(**cfg)
-    raise TypeError(f"expected an OptimizerConfig, got {type(cfg).__name__}")
+        return optimizer_config(cfg)
+    raise TypeError(f"expected an optimizer config, got {type(cfg).__name__}")
 
 
 # keys that only optimizer=sparse_avg reads, and those only SCAPE reads: each refuses the other's
-SPARSE_AVG_ONLY_KEYS = ("step_bound", "embedding_step_bound", "own_denominator_floor", "density_lr_power",
-                        "min_sparsity", "ranks_per_copy", "value_bits", "local_step_scale", "local_step_scale_power",
-                        "denominator_beta", "embedding_denominator_beta", "scaled_embedding_denominator_beta",
-                        "scaled_embedding_step_bound")
+SPARSE_AVG_ONLY_KEYS = ("step_bound", "embedding_step_bound", "density_lr_power", "min_sparsity", "ranks_per_copy",
+                        "value_bits", "local_step_scale", "local_step_scale_power", "embedding_denominator_beta",
+                        "scaled_embedding_denominator_beta", "scaled_embedding_step_bound")
 SCAPE_ONLY_KEYS = ("mask_transport", "topk_method", "offload_residual", "lag", "overlap_backward", "update",
                    "stale_scale_cap", "stale_scale", "base", "score", "score_timing")
 
 
-def refuse_foreign_keys(cfg: OptimizerConfig, keys, owner: str, here: str) -> None:
-    """A key another optimizer reads, set away from its default here, is an error, not ignored."""
-    fields = OptimizerConfig.__dataclass_fields__
+def refuse_foreign_keys(cfg: DenseOptimizerConfig, keys, owner: str, here: str) -> None:
+    """A key another optimizer reads, set away from its default here, is an error, not ignored
+    (each optimizer's own config has no such key, so only a hand-made one can hold it)."""
+    fields = type(cfg).__dataclass_fields__
     for key in keys:
         if key in fields and getattr(cfg, key) != fields[key].default:
             raise ValueError(f"optimizer.{key}={getattr(cfg, key)!r} is {owner} option; "
                              f"optimizer={here} does not use it (leave it at {fields[key].default!r})")
 
 
-def embedding_denominator_beta(cfg: OptimizerConfig) -> Optional[float]:
+def embedding_denominator_beta(cfg: DenseOptimizerConfig) -> Optional[float]:
     """D's memory on the embedding tables: ``embedding_denominator_beta``; where that is None and
     the tables train faster than the lr (``embedding_lr_scale`` > 1),
-    ``scaled_embedding_denominator_beta``; None = ``denominator_beta`` (the rest's memory)."""
+    ``scaled_embedding_denominator_beta``; None = betas[1] (the rest's memory)."""
     if cfg.embedding_denominator_beta is not None:
         return float(cfg.embedding_denominator_beta)
     if cfg.scaled_embedding_denominator_beta is not None and embedding_lr_scale(cfg) > 1:
@@ -76,7 +73,7 @@ def embedding_denominator_beta(cfg: OptimizerConfig) -> Optional[float]:
     return None
 
 
-def embedding_step_bound(cfg: OptimizerConfig) -> float:
+def embedding_step_bound(cfg: DenseOptimizerConfig) -> float:
     """The bound on the embedding tables' local steps: ``embedding_step_bound``; where that is 0
     and the tables train faster than the lr (``embedding_lr_scale`` > 1),
     ``scaled_embedding_step_bound``; 0 = ``step_bound`` (the rest's bound). The scaled key only
@@ -98,23 +95,32 @@ def _number(key: str, value, lo: float, note: str, hi: float = math.inf, open_hi
         raise ValueError(f"optimizer.{key}={value!r} must be a number {bounds} ({note})")
 
 
-def validate_config(cfg: OptimizerConfig) -> None:
-    """The keys SCAPE and sparse averaging share, and SCAPE's own."""
+def check_mask_schedule(cfg) -> None:
+    """The keys SCAPE and sparse averaging share: the density and its warm-ups, the betas."""
     sparsity = cfg.sparsity
     if not (isinstance(sparsity, (int, float)) and 0.0 <= sparsity < 1.0):
         raise ValueError(f"optimizer.sparsity={sparsity!r} must lie in [0, 1) "
                          f"(0 = dense, 0.99 = send 1% of the values)")
-    for key, allowed in (("mask_transport", TRANSPORTS), ("topk_method", TOPK_METHODS), ("value_dtype", VALUE_DTYPES),
-                         ("update", UPDATES), ("base", BASES), ("score", SCORES), ("lag", (True, False)),
-                         ("overlap_backward", (True, False)), ("offload_residual", (True, False)),
-                         ("score_timing", SCORE_TIMINGS), ("stale_scale", STALE_SCALES)):
-        _choice(key, getattr(cfg, key), allowed)
+    _choice("value_dtype", cfg.value_dtype, VALUE_DTYPES)
     if int(cfg.dense_warmup_steps) != cfg.dense_warmup_steps or cfg.dense_warmup_steps < 1:
         raise ValueError(f"optimizer.dense_warmup_steps={cfg.dense_warmup_steps!r} must be an integer "
                          f">= 1: step 1 is always dense (it produces the first mask)")
     if int(cfg.sparsity_warmup_steps) != cfg.sparsity_warmup_steps or cfg.sparsity_warmup_steps < 0:
         raise ValueError(f"optimizer.sparsity_warmup_steps={cfg.sparsity_warmup_steps!r} must be an "
                          f"integer >= 0 (0 = off)")
+    b1, b2 = cfg.betas
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+        raise ValueError(f"optimizer.betas={list(cfg.betas)} must lie in [0, 1)")
+
+
+def validate_config(cfg) -> None:
+    """SCAPE's keys (ScapeConfig checks itself with this)."""
+    check_mask_schedule(cfg)
+    for key, allowed in (("mask_transport", TRANSPORTS), ("topk_method", TOPK_METHODS), ("update", UPDATES),
+                         ("base", BASES), ("score", SCORES), ("lag", (True, False)),
+                         ("overlap_backward", (True, False)), ("offload_residual", (True, False)),
+                         ("score_timing", SCORE_TIMINGS), ("stale_scale", STALE_SCALES)):
+        _choice(key, getattr(cfg, key), allowed)
     cap = cfg.stale_scale_cap
     if not (isinstance(cap, (int, float)) and math.isfinite(cap) and (cap == 0 or cap >= 1)):
         raise ValueError(f"optimizer.stale_scale_cap={cap!r} must be 0 (cap = 1 / density), 1 (off) "
@@ -122,23 +128,17 @@ def validate_config(cfg: OptimizerConfig) -> None:
     if cap != 1 and cfg.update != "lazy":
         raise ValueError(f"optimizer.stale_scale_cap={cfg.stale_scale_cap} scales lazy updates only; "
                          f"it needs optimizer.update=lazy, got {cfg.update!r}")
-    b1, b2 = cfg.betas
-    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-        raise ValueError(f"optimizer.betas={list(cfg.betas)} must lie in [0, 1)")
 
 
-def validate_sparse_avg(cfg: OptimizerConfig) -> None:
-    """Sparse averaging's keys, and no SCAPE-only key away from its default."""
-    refuse_foreign_keys(cfg, SCAPE_ONLY_KEYS, "a SCAPE", "sparse_avg")
-    validate_config(cfg)
+def validate_sparse_avg(cfg) -> None:
+    """Sparse averaging's keys (SparseAverageConfig checks itself with this)."""
+    check_mask_schedule(cfg)
     _number("step_bound", cfg.step_bound, 0, "0 = sqrt(copies / (1 - b2)), AdamS's largest step on a copy's "
             "share of the batch")
     _number("embedding_step_bound", cfg.embedding_step_bound, 0, "0 = optimizer.step_bound on the embedding "
             "tables too")
     _number("scaled_embedding_step_bound", cfg.scaled_embedding_step_bound, 0, "the bound on the embedding "
             "tables where embedding_lr_scale > 1; 0 = optimizer.step_bound")
-    _number("own_denominator_floor", cfg.own_denominator_floor, 0, "0 = no floor; f: D >= the copy's own "
-            "AdamS denominator / (f copies)")
     embedding_lr_scale(cfg)
     _check_density(cfg)
     if not (isinstance(cfg.ranks_per_copy, int) and not isinstance(cfg.ranks_per_copy, bool)
@@ -150,14 +150,14 @@ def validate_sparse_avg(cfg: OptimizerConfig) -> None:
             "0 = min(1, (4 / copies)^local_step_scale_power)", hi=1)
     _number("local_step_scale_power", cfg.local_step_scale_power, 0, "with local_step_scale=0 the copies take "
             "min(1, (4 / copies)^power) of their step", hi=1)
-    for key in ("denominator_beta", "embedding_denominator_beta", "scaled_embedding_denominator_beta"):
+    for key in ("embedding_denominator_beta", "scaled_embedding_denominator_beta"):
         memory = getattr(cfg, key)
         if memory is not None:
-            _number(key, memory, 0, "the shared denominator's average of q^2 per step covered; null = "
-                    + ("betas[1]" if key == "denominator_beta" else "denominator_beta"), hi=1, open_hi=True)
+            _number(key, memory, 0, "the shared denominator's average of q^2 per step covered; null = betas[1]",
+                    hi=1, open_hi=True)
 
 
-def _check_density(cfg: OptimizerConfig) -> None:
+def _check_density(cfg: DenseOptimizerConfig) -> None:
     power = cfg.density_lr_power
     if not (isinstance(power, (int, float)) and math.isfinite(power)):
         raise ValueError(f"optimizer.density_lr_power={power!r} must be a number (0 = constant density, "

@@ -89,10 +89,10 @@ def arm_overrides(arm: str) -> List[str]:
     """The arm's Hydra overrides; before ``optimizer.grad_sync`` exists the dense all-reduce runs
     after backward, so only the after-backward arm can run (without the key)."""
     sys.path.insert(0, str(REPO))
-    from scape.config import OptimizerConfig
+    from core.optim import DenseOptimizerConfig
 
     overrides = ARMS[arm]
-    if "grad_sync" not in OptimizerConfig.__dataclass_fields__:
+    if "grad_sync" not in DenseOptimizerConfig.__dataclass_fields__:
         if arm == "adams":
             raise SystemExit("arm 'adams' (dense all-reduce overlapped with backward) needs the "
                              "optimizer.grad_sync key, which this checkout lacks; run "

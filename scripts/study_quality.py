@@ -128,11 +128,8 @@ _PARTS = {
     "emb": (("optimizer.embedding_step_bound={n}",), "local steps on the embedding table bounded at {n}"),
     # adams / adamw / sparse_avg: the lr on the embedding tables times {n}
     "elr": (("optimizer.embedding_lr_scale={n}",), "lr x {n} on the embedding table"),
-    # sparse_avg only: D^2 averages q^2 with beta {n} per step covered (not betas[1])
-    "dbeta": (("optimizer.denominator_beta={n}",), "D's beta {n}"),
     # sparse_avg only: D's beta {n} on the embedding table only
     "edbeta": (("optimizer.embedding_denominator_beta={n}",), "D's beta {n} on the table"),
-    "ownfl": (("optimizer.own_denominator_floor={n}",), "D floored at the copy's AdamS denominator / ({n} copies)"),
     "mom": (("optimizer.betas=[{n},0.95]",), "b1 {n}"),
     "wd": (("optimizer.weight_decay={n}",), "weight decay {n}"),
     "sp": (("optimizer.sparsity={n}",), "sparsity {n}"),
@@ -164,8 +161,7 @@ def compose_arm(name: str) -> Optional[Arm]:
     (b1 = X), wdX (weight decay X), elrX (the lr on the embedding table times X), spX (the
     sparsity), bfloat (bf16 values), and for sparse averaging invlrN / withlr / lrpowX / minspN
     (the density against the lr), rpcN (N ranks train one copy), boundN / embN (the local steps'
-    bound, on the embedding table), dbetaX / edbetaX (the shared D's beta, on the table), ownflX
-    (D floored at the copy's own AdamS denominator / (X copies)), lssX / lspX (the copies' share
+    bound, on the embedding table), edbetaX (the shared D's beta on the table), lssX / lspX (the copies' share
     of their local step) and qN (N-bit drifts). None if the name is not of that form."""
     base, *parts = name.split("+")
     if not parts:

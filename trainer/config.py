@@ -20,7 +20,8 @@ from core.choices import check_choice
 from core.sync import GradSync
 from data.config import DataConfig, TokenizerConfig
 from models.config import ModelConfig
-from scape.config import OptimizerConfig
+from core.optim import DenseOptimizerConfig
+from scape.config import optimizer_config
 from sdp.config import SDPConfig
 from trainer.schedule import LrSchedule
 
@@ -139,7 +140,9 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    # one dataclass per optimizer (core/optim.py, scape/config.py), chosen by optimizer.name: here
+    # the keys they all share, which each conf/optimizer/*.yaml extends with its own
+    optimizer: Any = field(default_factory=lambda: _shared_optimizer_keys())
     sdp: SDPConfig = field(default_factory=SDPConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -149,6 +152,8 @@ class Config:
     resume: str = "none"  # none | auto (newest complete checkpoint of the run) | path to a step-N folder
 
     def __post_init__(self) -> None:
+        if not isinstance(self.optimizer, DenseOptimizerConfig):  # the keys refused or checked by its dataclass
+            self.optimizer = optimizer_config(self.optimizer)
         check_schedule(self.optimizer)
         t = self.train
         if t.downstream_every and self.sdp.kind != "none" and self.sdp.masking == "forward":
@@ -160,6 +165,11 @@ class Config:
         if self.resume not in ("none", "auto") and not Path(self.resume).is_dir():
             raise ConfigError(f"resume={self.resume}: no such checkpoint folder; use resume=auto, "
                               f"resume=none or the path of a step-N folder")
+
+
+def _shared_optimizer_keys() -> dict:
+    shared = DenseOptimizerConfig()
+    return {key: getattr(shared, key) for key in DenseOptimizerConfig.__dataclass_fields__}
 
 
 def to_config(cfg: Any) -> Config:

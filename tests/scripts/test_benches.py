@@ -70,8 +70,8 @@ def test_speedups_are_against_every_dense_arm_that_ran():
 
 
 def test_dense_arms_name_their_grad_sync_and_scape_arms_compose():
-    from scape.config import OptimizerConfig
-    has_key = "grad_sync" in OptimizerConfig.__dataclass_fields__
+    from core.optim import DenseOptimizerConfig
+    has_key = "grad_sync" in DenseOptimizerConfig.__dataclass_fields__
     after = bench_network.arm_overrides("adams_after_backward")
     assert ("optimizer.grad_sync=after_backward" in after) == has_key
     if has_key:

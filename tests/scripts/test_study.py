@@ -86,7 +86,6 @@ def test_composed_arms_follow_their_recipe_and_bad_names_are_refused(monkeypatch
     assert study.compose_arm("sma99t+lr2e-3").overrides == ("optimizer=sparse_avg", "optimizer.lr=2e-3")
     table = dict(i.split("=", 1) for i in study.compose_arm("sma99t+emb8.94+bound13").overrides)
     assert (table["optimizer.embedding_step_bound"], table["optimizer.step_bound"]) == ("8.94", "13")
-    assert "optimizer.own_denominator_floor=2" in study.compose_arm("sma99t+ownfl2").overrides
     slope = dict(i.split("=", 1) for i in study.compose_arm("sma99t+lsp0.5").overrides)
     assert (slope["optimizer.local_step_scale"], slope["optimizer.local_step_scale_power"]) == ("0", "0.5")
     # the density follows (lr / peak lr)^0.5, capped at the peak lr (lrpow is not lr + pow0.5)
@@ -95,7 +94,7 @@ def test_composed_arms_follow_their_recipe_and_bad_names_are_refused(monkeypatch
     assert halfway["optimizer.sparsity"] == "0.7" and halfway["optimizer.value_bits"] == "0"
     assert "optimizer.lr" not in halfway and study.compose_arm("sma99t+lrpow") is None
     # the parts of the rules that lost are gone (docs/JOURNAL.md)
-    for gone in ("sma99t+cyc", "sma99t+om0.9", "sma99t+clipsh", "sma99t+own", "scape99+clip", "sma99+warm20"):
+    for gone in ("sma99t+cyc", "sma99t+om0.9", "sma99t+clipsh", "sma99t+own", "sma99t+ownfl2", "sma99t+dbeta0.5", "scape99+clip", "sma99+warm20"):
         assert study.compose_arm(gone) is None, gone
     # a part's name may end in e (the number is split off, not every trailing e, digit or dash)
     monkeypatch.setitem(study._PARTS, "wide", (["optimizer.step_bound=wide"], "wide"))

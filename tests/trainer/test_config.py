@@ -43,3 +43,37 @@ def test_bad_keys_and_types_fail_at_start_naming_the_key(override, needle, tmp_p
     assert proc.returncode != 0
     assert needle in proc.stderr + proc.stdout
     assert not any(tmp_path.iterdir()), "a rejected config must not leave a run directory"
+
+
+# the yaml files tie the sparsity warm-up to the run's own schedule; their dataclasses have none
+RUN_DEPENDENT = {"scape": {"sparsity_warmup_steps": "${times:3,${.warmup_steps}}"},
+                 "sparse_avg": {"sparsity_warmup_steps": "${longest:${.warmup_steps},${times:0.3333,${train.steps}}}"}}
+
+
+@pytest.mark.parametrize("name", ["adamw", "adams", "scape", "scape_spec", "sparse_avg"])
+def test_each_optimizer_file_equals_its_dataclass(name):
+    from dataclasses import asdict
+
+    from scape.config import OPTIMIZER_CONFIGS, ScapeConfig
+
+    composed = OmegaConf.to_container(compose_config([f"optimizer={name}"]).optimizer, resolve=False)
+    cls = OPTIMIZER_CONFIGS["scape" if name == "scape_spec" else name]
+    expected = asdict(cls(**ScapeConfig.SPEC_RULE) if name == "scape_spec" else cls())
+    for key, interpolation in RUN_DEPENDENT.get(name, {}).items():
+        assert composed.pop(key) == interpolation and expected.pop(key) == 0, key
+    assert composed == expected
+    assert isinstance(OmegaConf.to_object(compose_config([f"optimizer={name}"])).optimizer, cls)
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["+optimizer.lrr=1"], "optimizer.lrr=1 is not a key; optimizer=adamw does not use it"),
+    (["optimizer=adamw", "optimizer.sparsity=1.5"], "optimizer.sparsity"),
+    (["optimizer=adamw", "+optimizer.sparsity=0.5"], "optimizer.sparsity=0.5 is a sparse_avg option; optimizer=adamw"),
+    (["optimizer=sparse_avg", "+optimizer.lag=false"], "optimizer.lag=False is a SCAPE option; optimizer=sparse_avg"),
+    (["optimizer=scape", "+optimizer.value_bits=2"], "optimizer.value_bits=2 is a sparse_avg option; optimizer=scape"),
+])
+def test_a_key_the_optimizer_does_not_have_is_refused(overrides, needle, tmp_path):
+    proc = train_cli([*overrides, f"out_dir={tmp_path}"], timeout=120)
+    assert proc.returncode != 0
+    assert needle in proc.stderr + proc.stdout
+    assert not any(tmp_path.iterdir()), "a rejected config must not leave a run directory"
