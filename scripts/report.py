@@ -518,11 +518,11 @@ def render(text: str, path: Path) -> str:
 
 
 def cited_artifacts() -> List[str]:
-    """Every file under docs/results that a document links to (the report's tables and the journal)."""
+    """Every file under docs/results that a document links to (README and every page of docs/)."""
     names = set()
-    for doc in (*DOCS, REPO / "docs" / "JOURNAL.md"):
+    for doc in sorted({*DOCS, *(REPO / "docs").glob("*.md")}):
         if doc.is_file():
-            names.update(re.findall(r"results/([\w.+-]+)", doc.read_text()))
+            names.update(re.findall(r"results/([\w+-]+(?:\.[\w+-]+)*)", doc.read_text()))
     return sorted(names)
 
 

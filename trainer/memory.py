@@ -318,6 +318,8 @@ def _add_scape(est: MemoryEstimate, cfg: Any, padded: int, world: int, device_ty
     work = max(stale, 16 if cpu else 0)
     est.add("masked update: payload, its copy, staleness", sent * (2 * value + (4 if value == 2 else 0) + work),
             "step")
+    if o.overlap_backward and o.lag and not o.shard:  # scape/overlap.py packs the payload during backward
+        est.add("payload packed during the last backward", sent * value, "backward")
     if cpu:  # the dense warm-up step's reference AdamS: two temporaries of the flat buffer
         est.add("dense warm-up update temporaries (CPU)", 2 * 4 * state, "step")
     if o.update == "all":

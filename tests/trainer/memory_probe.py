@@ -69,7 +69,8 @@ def main(out: str, overrides: list) -> None:
         Trainer(config, env).build().train()
     rss_peak = _rss_kib("VmHWM")
     peak, ops = tracked_peak(prof.profiler.kineto_results.events())
-    result = {"estimate_bytes": estimate.device_peak, "tracked_peak_bytes": peak, "peak_during": ops,
+    result = {"command": "python -m tests.trainer.memory_probe " + " ".join([out, *overrides]),
+              "estimate_bytes": estimate.device_peak, "tracked_peak_bytes": peak, "peak_during": ops,
               "rss_growth_bytes": (rss_peak - rss_before) * 1024,
               "parts": [[p.name, p.bytes, p.phase] for p in estimate.parts]}
     with open(out, "w") as f:
