@@ -38,6 +38,7 @@ position is the tokens consumed (meta ``data.tokens_consumed``), which do not de
 """
 from __future__ import annotations
 
+import errno
 import os
 import random
 import re
@@ -97,12 +98,24 @@ def _agreed(error: Optional[str], world_size: int) -> list:
     return [e for e in _gather(error, world_size) if e is not None]
 
 
-def _attempt(fn: Callable[[], Any], rank: int) -> Optional[str]:
+def _attempt(fn: Callable[[], Any], rank: int, where: Optional[Path] = None) -> Optional[str]:
     try:
         fn()
     except Exception as exc:  # noqa: BLE001 - every rank learns of it (``_agreed``) and raises
-        return f"rank {rank}: {type(exc).__name__}: {exc}"
+        return f"rank {rank}: {type(exc).__name__}: {exc}{_disk_full_note(exc, where)}"
     return None
+
+
+def _disk_full_note(exc: Exception, where: Optional[Path]) -> str:
+    """torch.save reports a full disk as a RuntimeError of its zip writer ("unexpected pos"), not
+    as ENOSPC: say what the file system says, so the message names the cause."""
+    if where is None or (isinstance(exc, OSError) and exc.errno == errno.ENOSPC):
+        return ""
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return ""
+    return f" [{os.strerror(errno.ENOSPC)}: {free:,} bytes free where {where} lies]" if free < (1 << 20) else ""
 
 
 def _fresh_tmp(tmp: Path) -> None:
@@ -136,7 +149,7 @@ def _write_files(tmp: Path, sync, env: DistEnv) -> tuple:
         checksums[rank_file(env.rank)] = save_hashed({"rng": capture_rng(), "sync": sync.local_state_dict()},
                                                      tmp / rank_file(env.rank))
 
-    error = _attempt(write, env.rank)
+    error = _attempt(write, env.rank, tmp)
     del model_state
     return checksums, error
 
