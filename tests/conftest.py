@@ -1,7 +1,14 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# Triton reads TRITON_INTERPRET when it is first imported: its own library functions (tl.sum, ...)
+# are decorated then, and a test module that imports torch._inductor during collection imports
+# Triton long before tests/scape/test_kernels.py could set it. The CPU test suite runs every
+# Triton kernel in the interpreter (Inductor's CPU backend does not use Triton).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
