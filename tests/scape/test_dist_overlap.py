@@ -18,7 +18,7 @@ VARIANTS = {
     "bf16_offload": dict(sparsity=0.99, value_dtype="bf16", offload_residual=True,
                          dense_warmup_steps=2, topk_method="threshold"),
     "update_all": dict(sparsity=0.8, update="all", stale_scale_cap=1, score="gradient",
-                       mask_transport="indices", lossless_clip=True),
+                       mask_transport="indices"),
 }
 STEPS, ACCUM = 8, 2
 SKIPPED = (5, 1)  # (step, rank): a non-finite loss there skips the step on every rank
