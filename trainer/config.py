@@ -155,6 +155,9 @@ class Config:
         if not isinstance(self.optimizer, DenseOptimizerConfig):  # the keys refused or checked by its dataclass
             self.optimizer = optimizer_config(self.optimizer)
         check_schedule(self.optimizer)
+        if self.optimizer.shard and self.sdp.kind != "none":
+            raise ConfigError("optimizer.shard=true is not supported with SDP (each worker keeps the optimizer "
+                              "state of its own subnetwork only); set optimizer.shard=false")
         t = self.train
         if t.downstream_every and self.sdp.kind != "none" and self.sdp.masking == "forward":
             raise ConfigError("train.downstream_every needs the full model on rank 0, which a forward-masked "

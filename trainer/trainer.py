@@ -96,7 +96,10 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ build
     def build(self) -> "Trainer":
-        if self.cfg.train.memory_check:  # first of all: a run that cannot fit is refused before anything is written
+        t = self.cfg.train  # first of all, before anything is written: a batch the ranks cannot split,
+        self.accum = accumulation_steps(t.global_batch_tokens, t.micro_batch_size, self.cfg.model.seq_len,
+                                        self.env.world_size)
+        if t.memory_check:  # and a run that cannot fit, are refused
             from trainer.memory import check_memory
 
             check_memory(self.cfg, self.env.world_size, self.env.device)
@@ -124,7 +127,6 @@ class Trainer:
         import data as data_pipeline
 
         cfg, env, t = self.cfg, self.env, self.cfg.train
-        self.accum = accumulation_steps(t.global_batch_tokens, t.micro_batch_size, cfg.model.seq_len, env.world_size)
         self.prepared = Path(on_main(env, lambda: str(data_pipeline.prepare(cfg.data, cfg.tokenizer))))
         self.train_data = data_pipeline.TokenLoader(self.prepared, "train", cfg.model.seq_len, t.micro_batch_size,
                                                     env.rank, env.world_size, cfg.seed, prefetch=cfg.data.prefetch)
