@@ -40,7 +40,7 @@ def test_study_runs_arms_and_reports(prepared_cache, tmp_path):
             "--global-batch-tokens", "512", "--seq-len", "64", "--vocab", "8192", "--corpus", "embedded",
             "--cache-dir", str(prepared_cache), "--eval-every", "2", "--eval-batches", "2", "--log-every", "1",
             "--name", "smoke", "--out", str(out), "--runs-dir", str(runs), "--timeout", "240"]
-    for item in [*DEBUG_MODEL, "optimizer.sparsity_warmup_steps=0"]:  # 4 steps: no room for a warm-up
+    for item in [*DEBUG_MODEL, "optimizer.warmup_steps=0"]:  # 4 steps: no room for a warm-up (nor SCAPE's, 3 of them)
         argv += ["--set", item]
     assert study.main(argv) == 0, "\n".join(p.read_text()[-3000:] for p in (runs / "smoke").glob("*.log"))
 
