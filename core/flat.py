@@ -57,7 +57,7 @@ def flat_order(items: Sequence[Item], param: Callable[[Item], torch.Tensor] = la
 
 def embedding_weight_ids(model: torch.nn.Module) -> Set[int]:
     """The ids of the weights of the model's ``torch.nn.Embedding`` tables (a tied output head
-    shares them): the parameters a per-table option (an lr scale, a step bound) applies to."""
+    shares them): what a parameter group's ``match: embedding`` selects (``optimizer.param_groups``)."""
     return {id(module.weight) for module in model.modules() if isinstance(module, torch.nn.Embedding)}
 
 

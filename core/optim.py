@@ -7,14 +7,122 @@ update |m_t / c| / denom is bounded, which is what lets SCAPE feed it sparse, st
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, ClassVar, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 
-from core.flat import param_groups
+from core.flat import embedding_weight_ids, param_groups
 
 DENSE_OPTIMIZERS = ("adamw", "adams")
+# what ParamGroupConfig.match can select
+GROUP_MATCHES = ("embedding",)
+# each setting of a group: what it overrides, for the refusal of an optimizer without it
+_GROUP_SETTINGS = {"lr_scale": "the lr's multiple",
+                   "step_bound": "the bound on a local step (sparse_avg)",
+                   "denominator_beta": "the shared denominator's memory (sparse_avg)"}
+
+
+@dataclass
+class ParamGroupConfig:
+    """One entry of ``optimizer.param_groups``: the parameters ``match`` selects train with these
+    settings, the others with the optimizer's own (torchtitan's parameter-group override).
+
+    ``match: embedding`` selects the weights of the model's ``torch.nn.Embedding`` tables (a head
+    tied to them shares them; ``core.flat.embedding_weight_ids``). ``lr_scale``: their lr is
+    ``optimizer.lr`` times this. ``step_bound`` and ``denominator_beta``: sparse_avg's bound on a
+    local step (in lr) and its shared denominator's memory there; None = the optimizer's own. An
+    optimizer without such a setting refuses it (``DenseOptimizerConfig.GROUP_FIELDS``)."""
+    match: str
+    lr_scale: float = 1.0
+    step_bound: Optional[float] = None
+    denominator_beta: Optional[float] = None
+
+
+def as_param_groups(groups: Any) -> List[ParamGroupConfig]:
+    """``optimizer.param_groups`` as ParamGroupConfig entries (from mappings, as Hydra gives them):
+    an unknown field, a missing ``match`` or a second group is refused, naming the key."""
+    if groups is None:
+        return []
+    if isinstance(groups, (str, bytes)) or not hasattr(groups, "__iter__") or hasattr(groups, "keys"):
+        raise ValueError(f"optimizer.param_groups={groups!r} must be a list of groups, e.g. "
+                         f"[{{match: embedding, lr_scale: 16}}] ([] = none)")
+    out = []
+    known = tuple(f.name for f in fields(ParamGroupConfig))
+    for i, group in enumerate(groups):
+        if isinstance(group, ParamGroupConfig):
+            out.append(group)
+            continue
+        if not hasattr(group, "keys"):
+            raise ValueError(f"optimizer.param_groups[{i}]={group!r} must be a mapping, e.g. "
+                             f"{{match: embedding, lr_scale: 16}}")
+        values = {str(key): group[key] for key in group.keys()}
+        for key in values:
+            if key not in known:
+                raise ValueError(f"optimizer.param_groups[{i}].{key} is not a field of a parameter group "
+                                 f"(its fields: {', '.join(known)}): remove it")
+        if "match" not in values:
+            raise ValueError(f"optimizer.param_groups[{i}] has no match: give the parameters it selects "
+                             f"(match: {' | '.join(GROUP_MATCHES)})")
+        out.append(ParamGroupConfig(**values))
+    if len(out) > 1:
+        raise ValueError(f"optimizer.param_groups holds {len(out)} groups; one override group is supported "
+                         f"(match: {' | '.join(GROUP_MATCHES)}): merge their settings into one")
+    return out
+
+
+def check_param_groups(cfg: Any) -> None:
+    """Every group's values, and only the settings ``cfg``'s optimizer has (``GROUP_FIELDS``)."""
+    for i, group in enumerate(as_param_groups(getattr(cfg, "param_groups", []))):
+        key = f"optimizer.param_groups[{i}]"
+        if group.match not in GROUP_MATCHES:
+            raise ValueError(f"{key}.match={group.match!r} is not supported; allowed values: "
+                             f"{', '.join(GROUP_MATCHES)} (the torch.nn.Embedding weights and a head tied to them)")
+        scale = group.lr_scale
+        if not (_is_number(scale) and scale > 0):
+            raise ValueError(f"{key}.lr_scale={scale!r} must be a number > 0 (1 = the group trains at optimizer.lr)")
+        bound, beta = group.step_bound, group.denominator_beta
+        if bound is not None and not (_is_number(bound) and bound > 0):
+            raise ValueError(f"{key}.step_bound={bound!r} must be a number > 0 (null = optimizer.step_bound)")
+        if beta is not None and not (_is_number(beta) and 0 <= beta < 1):
+            raise ValueError(f"{key}.denominator_beta={beta!r} must be a number in [0, 1) (null = betas[1])")
+        for name, default in (("lr_scale", 1.0), ("step_bound", None), ("denominator_beta", None)):
+            value = getattr(group, name)
+            if value != default and name not in getattr(type(cfg), "GROUP_FIELDS", ("lr_scale",)):
+                raise ValueError(f"{key}.{name}={value!r} sets {_GROUP_SETTINGS[name]}, which optimizer="
+                                 f"{cfg.name} does not have: remove it (leave it {'null' if default is None else default})")
+
+
+def check_group_shard(cfg: Any) -> None:
+    """A group's lr multiple needs the optimizer to hold whole tables, which a sharded one does not."""
+    group = override_group(cfg)
+    if group is not None and group.lr_scale != 1 and getattr(cfg, "shard", False):
+        raise ValueError(f"optimizer.param_groups[0].lr_scale={group.lr_scale:g} is not supported with "
+                         f"optimizer.shard=true (each rank's optimizer state holds flat pieces of the model, "
+                         f"not its tables): leave it 1, or set optimizer.shard=false")
+
+
+def group_parameter_ids(model: torch.nn.Module, cfg: Any) -> Set[int]:
+    """The ids of the parameters the override group matches (none without a group); a group that
+    matches no parameter of ``model`` is refused."""
+    group = override_group(cfg)
+    if group is None:
+        return set()
+    ids = embedding_weight_ids(model)
+    if not ids:
+        raise ValueError(f"optimizer.param_groups[0].match={group.match} selects the torch.nn.Embedding weights, "
+                         f"but the model has no torch.nn.Embedding: remove the group")
+    return ids
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def override_group(cfg: Any) -> Optional[ParamGroupConfig]:
+    """The run's one override group (``optimizer.param_groups``), or None."""
+    groups = as_param_groups(getattr(cfg, "param_groups", []))
+    return groups[0] if groups else None
 
 
 @dataclass
@@ -36,11 +144,15 @@ class DenseOptimizerConfig:
     # adamw/adams, core/zero.py; sharded SCAPE, scape/sharded.py)
     shard: bool = False
     grad_sync: str = "ddp"  # core.sync.GradSync, the dense arms: ddp (overlapped) | after_backward
-    # the learning rate on the embedding tables (torch.nn.Embedding weights, a tied head with
-    # them) is lr times this; adamw and adams without shard, and sparse_avg
-    embedding_lr_scale: float = 1.0
+    # at most one override group (ParamGroupConfig): the parameters it matches train with its
+    # settings instead of the optimizer's own; [] = one setting for every parameter
+    param_groups: List[ParamGroupConfig] = field(default_factory=list)
+
+    # the ParamGroupConfig fields this optimizer has a setting for (the others are refused)
+    GROUP_FIELDS: ClassVar[Tuple[str, ...]] = ("lr_scale",)
 
     def __post_init__(self) -> None:
+        self.param_groups = as_param_groups(self.param_groups)
         check_dense_keys(self)
 
 
@@ -53,7 +165,8 @@ def check_dense_keys(cfg: "DenseOptimizerConfig") -> None:
         raise ValueError(f"optimizer.eps={cfg.eps!r} must be a number > 0 (e.g. 1e-8)")
     if not (isinstance(cfg.weight_decay, (int, float)) and math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
         raise ValueError(f"optimizer.weight_decay={cfg.weight_decay!r} must be a number >= 0 (0 = off)")
-    embedding_lr_scale(cfg)
+    check_param_groups(cfg)
+    check_group_shard(cfg)
 
 
 @dataclass
@@ -81,18 +194,15 @@ def build_optimizer(params: List[torch.nn.Parameter], cfg: Any,
     ``cfg`` is anything with the fields of ``DenseOptimizerConfig``. On CUDA AdamW is torch's fused
     one (one kernel for all tensors; it also skips a non-finite step on the device) and AdamS runs
     ``adams_kernel`` (the layer above passes SCAPE's Triton kernel) once per tensor. ``embeddings``
-    (``core.flat.embedding_weight_ids``) are the tables ``cfg.embedding_lr_scale`` applies to."""
+    (``core.flat.embedding_weight_ids``) are the tables the override group's ``lr_scale`` applies to."""
     groups = param_groups(params, cfg.weight_decay, embeddings, embedding_lr_scale(cfg))
     return optimizer_for_groups(groups, cfg, adams_kernel)
 
 
 def embedding_lr_scale(cfg: Any) -> float:
-    """``optimizer.embedding_lr_scale``, checked: a finite number > 0 (1 = the lr everywhere)."""
-    scale = getattr(cfg, "embedding_lr_scale", 1.0)
-    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"optimizer.embedding_lr_scale={scale!r} must be a number > 0 "
-                         f"(1 = the embedding tables train at optimizer.lr)")
-    return float(scale)
+    """The lr's multiple on the embedding tables: the override group's ``lr_scale`` (1 without one)."""
+    group = override_group(cfg)
+    return 1.0 if group is None else float(group.lr_scale)
 
 
 def optimizer_for_groups(groups: List[Dict[str, Any]], cfg: Any,
@@ -101,9 +211,9 @@ def optimizer_for_groups(groups: List[Dict[str, Any]], cfg: Any,
     pieces are flat, so the ndim rule cannot be read off them)."""
     scale = embedding_lr_scale(cfg)
     if scale != 1.0 and not any("lr_scale" in group for group in groups):
-        raise ValueError(f"optimizer.embedding_lr_scale={scale:g}: this optimizer was built without the "
+        raise ValueError(f"optimizer.param_groups[0].lr_scale={scale:g}: this optimizer was built without the "
                          f"model's embedding tables (optimizer.shard=true and sdp.kind != none do not "
-                         f"support the option); leave it 1")
+                         f"support a parameter group's lr); leave it 1")
     betas = (float(cfg.betas[0]), float(cfg.betas[1]))
     cuda = any(p.is_cuda for group in groups for p in group["params"])
     if cfg.name == "adamw":

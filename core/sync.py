@@ -148,8 +148,9 @@ class GradientSynchronizer:
         saved, groups = len(state["optimizer"]["param_groups"]), self.optimizer.param_groups
         if saved != len(groups):
             raise ValueError(f"this checkpoint's optimizer has {saved} parameter groups, this run's {len(groups)}: "
-                             f"optimizer.embedding_lr_scale != 1 puts the embedding tables in a group of their "
-                             f"own; resume with it != 1 exactly when the checkpoint was written so")
+                             f"a parameter group with lr_scale != 1 (optimizer.param_groups) puts the embedding "
+                             f"tables in a group of their own; resume with one exactly when the checkpoint was "
+                             f"written with one")
         scales = [group.get("lr_scale") for group in groups]
         self.optimizer.load_state_dict(state["optimizer"])
         # the run's config decides the scale, as it does the lr (torch made new groups from the saved ones)

@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 
 from core.comm import Collectives
+from core.optim import group_parameter_ids
 from core.sync import register_group_synchronizer, register_synchronizer
 from scape.config import OptimizerConfig
 
@@ -35,6 +36,9 @@ def build_synchronizer(model: torch.nn.Module, cfg: OptimizerConfig, comm: Optio
     if name != "scape":
         raise ValueError(f"scape.build_synchronizer needs optimizer.name=scape or sparse_avg, "
                          f"got {name!r}")
+    from scape.options import as_dataclass
+
+    group_parameter_ids(model, as_dataclass(cfg))  # a parameter group that matches nothing is refused
     if shard:
         from scape.sharded import ShardedScapeSynchronizer
 

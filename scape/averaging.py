@@ -66,18 +66,18 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional, Set
 
 import torch
 
 from core.checkpoint import repad
 from core.comm import Collectives, all_gather_bytes, all_reduce_bytes, all_to_all_bytes, new_groups
-from core.flat import embedding_weight_ids
+from core.optim import group_parameter_ids, override_group
 from scape import kernels
 from scape.accounting import VALUE_BYTES
 from scape.config import SparseAverageConfig
 from scape.masking import MaskedSynchronizer
-from scape.options import as_dataclass, embedding_denominator_beta, embedding_step_bound, validate_sparse_avg
+from scape.options import as_dataclass, validate_sparse_avg
 from scape.partition import Partitioning
 from scape.quantize import dequantize, packed_nbytes, quantize
 
@@ -417,29 +417,22 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
             self.exchange_comm = self.comm.in_group(groups[self.copies + self.rank % size])
 
     def _table_settings(self, model: torch.nn.Module, cfg: SparseAverageConfig) -> None:
-        """The embedding tables' lr multiple, step bound and D's memory, per flat coordinate."""
-        n = self.normalizer
-        table_bound = embedding_step_bound(cfg)
-        if table_bound:
-            key = "embedding_step_bound" if cfg.embedding_step_bound else "scaled_embedding_step_bound"
-            n.bounds = self._per_table(model, n.bound, table_bound, key, "bounds the steps on", 0)
-        if cfg.embedding_lr_scale != 1:
-            n.lr_scales = self._per_table(model, 1.0, float(cfg.embedding_lr_scale), "embedding_lr_scale",
-                                          "scales the lr on", 1)
-        table_memory = embedding_denominator_beta(cfg)
-        if table_memory is not None:
-            key = ("embedding_denominator_beta" if cfg.embedding_denominator_beta is not None
-                   else "scaled_embedding_denominator_beta")
-            n.memory = self._per_table(model, float(n.memory), table_memory, key, "sets D's memory on", "null")
+        """The override group's lr multiple, step bound and D's memory (``optimizer.param_groups``),
+        per flat coordinate; a setting the group leaves None is the rest's."""
+        group, n = override_group(cfg), self.normalizer
+        if group is None:
+            return
+        tables = group_parameter_ids(model, cfg)  # a group that matches nothing is refused
+        if group.step_bound is not None:
+            n.bounds = self._per_table(tables, n.bound, float(group.step_bound))
+        if group.lr_scale != 1:
+            n.lr_scales = self._per_table(tables, 1.0, float(group.lr_scale))
+        if group.denominator_beta is not None:
+            n.memory = self._per_table(tables, float(n.memory), float(group.denominator_beta))
 
-    def _per_table(self, model: torch.nn.Module, elsewhere: float, on_tables: float, key: str, does: str,
-                   off: Any) -> torch.Tensor:
-        """A value per flat coordinate: ``on_tables`` on the weights of the model's
-        ``torch.nn.Embedding`` tables (a tied output head shares them), ``elsewhere`` elsewhere."""
-        tables = embedding_weight_ids(model)
-        if not tables:
-            raise ValueError(f"optimizer.{key}={on_tables:g} {does} the embedding tables, but the model has "
-                             f"no torch.nn.Embedding: leave it {off if isinstance(off, str) else format(off, 'g')}")
+    def _per_table(self, tables: Set[int], elsewhere: float, on_tables: float) -> torch.Tensor:
+        """A value per flat coordinate: ``on_tables`` on the parameters whose ids are ``tables``
+        (the group's: the embedding tables, a tied output head with them), ``elsewhere`` elsewhere."""
         values = torch.full_like(self.consensus, elsewhere)
         for start, end in self.flat.ranges(tables):
             values[start:end] = on_tables

@@ -12,9 +12,9 @@ optimizer does not have.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Dict, Mapping, Optional, Type
+from typing import Any, ClassVar, Dict, Mapping, Optional, Tuple, Type
 
-from core.optim import AdamSConfig, AdamWConfig, DenseOptimizerConfig
+from core.optim import AdamSConfig, AdamWConfig, DenseOptimizerConfig, as_param_groups
 
 
 @dataclass
@@ -72,19 +72,13 @@ class SparseAverageConfig(DenseOptimizerConfig):
     value_dtype: str = "bf16"  # bf16 | fp32: the codes' scales (with value_bits 0: the drifts)
     # the largest local step over the shared denominator, in lr: 0 = sqrt(copies / (1 - b2))
     step_bound: float = 0.0
-    embedding_step_bound: float = 0.0  # the bound on the nn.Embedding tables: 0 = step_bound
-    # the tables' bound where they train faster than the lr (embedding_lr_scale > 1) and
-    # embedding_step_bound is 0; 0 = step_bound there too
-    scaled_embedding_step_bound: float = 4.47
     # the share of its local step a copy takes: 0 = min(1, (4 / copies) ^ local_step_scale_power)
     local_step_scale: float = 0.0
     local_step_scale_power: float = 0.37
-    # D^2's average of q^2 per step covered on the nn.Embedding tables; None = betas[1]
-    embedding_denominator_beta: Optional[float] = None
-    # that memory where the tables train faster than the lr and embedding_denominator_beta is None
-    scaled_embedding_denominator_beta: Optional[float] = 0.2
     ranks_per_copy: int = 1  # ranks that train one copy (their gradients averaged densely, as DDP)
 
+    # a parameter group may set its own lr multiple, local-step bound and denominator memory
+    GROUP_FIELDS: ClassVar[Tuple[str, ...]] = ("lr_scale", "step_bound", "denominator_beta")
     # not options here: every rank computes the cycle alike, no score is ranked
     mask_transport: ClassVar[str] = "auto"
     topk_method: ClassVar[str] = "exact"
@@ -112,6 +106,7 @@ def refuse_unknown_keys(name: str, values: Mapping[str, Any]) -> None:
     if name not in OPTIMIZER_CONFIGS:
         raise ValueError(f"optimizer.name={name!r} must be one of {', '.join(OPTIMIZER_CONFIGS)}")
     known = config_keys(name)
+    as_param_groups(values.get("param_groups"))  # a group's unknown field, before the schema sees it
     for key in values:
         if key in known:
             continue

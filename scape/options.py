@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
 
-from core.optim import embedding_lr_scale
 from core.optim import DenseOptimizerConfig
 from scape.config import optimizer_config
 from scape.quantize import BITS as QUANTIZED_BITS
@@ -45,9 +43,8 @@ def as_dataclass(cfg) -> DenseOptimizerConfig:
 
 
 # keys that only optimizer=sparse_avg reads, and those only SCAPE reads: each refuses the other's
-SPARSE_AVG_ONLY_KEYS = ("step_bound", "embedding_step_bound", "density_lr_power", "min_sparsity", "ranks_per_copy",
-                        "value_bits", "local_step_scale", "local_step_scale_power", "embedding_denominator_beta",
-                        "scaled_embedding_denominator_beta", "scaled_embedding_step_bound")
+SPARSE_AVG_ONLY_KEYS = ("step_bound", "density_lr_power", "min_sparsity", "ranks_per_copy",
+                        "value_bits", "local_step_scale", "local_step_scale_power")
 SCAPE_ONLY_KEYS = ("mask_transport", "topk_method", "offload_residual", "lag", "overlap_backward", "update",
                    "stale_scale_cap", "stale_scale", "base", "score", "score_timing")
 
@@ -60,30 +57,6 @@ def refuse_foreign_keys(cfg: DenseOptimizerConfig, keys, owner: str, here: str) 
         if key in fields and getattr(cfg, key) != fields[key].default:
             raise ValueError(f"optimizer.{key}={getattr(cfg, key)!r} is {owner} option; "
                              f"optimizer={here} does not use it (leave it at {fields[key].default!r})")
-
-
-def embedding_denominator_beta(cfg: DenseOptimizerConfig) -> Optional[float]:
-    """D's memory on the embedding tables: ``embedding_denominator_beta``; where that is None and
-    the tables train faster than the lr (``embedding_lr_scale`` > 1),
-    ``scaled_embedding_denominator_beta``; None = betas[1] (the rest's memory)."""
-    if cfg.embedding_denominator_beta is not None:
-        return float(cfg.embedding_denominator_beta)
-    if cfg.scaled_embedding_denominator_beta is not None and embedding_lr_scale(cfg) > 1:
-        return float(cfg.scaled_embedding_denominator_beta)
-    return None
-
-
-def embedding_step_bound(cfg: DenseOptimizerConfig) -> float:
-    """The bound on the embedding tables' local steps: ``embedding_step_bound``; where that is 0
-    and the tables train faster than the lr (``embedding_lr_scale`` > 1),
-    ``scaled_embedding_step_bound``; 0 = ``step_bound`` (the rest's bound). The scaled key only
-    tightens: a hand-set ``step_bound`` below it holds on the tables too."""
-    if cfg.embedding_step_bound:
-        return float(cfg.embedding_step_bound)
-    scaled = float(cfg.scaled_embedding_step_bound)
-    if scaled and embedding_lr_scale(cfg) > 1 and not 0 < cfg.step_bound < scaled:
-        return scaled
-    return 0.0
 
 
 def _number(key: str, value, lo: float, note: str, hi: float = math.inf, open_hi: bool = False) -> None:
@@ -135,11 +108,6 @@ def validate_sparse_avg(cfg) -> None:
     check_mask_schedule(cfg)
     _number("step_bound", cfg.step_bound, 0, "0 = sqrt(copies / (1 - b2)), AdamS's largest step on a copy's "
             "share of the batch")
-    _number("embedding_step_bound", cfg.embedding_step_bound, 0, "0 = optimizer.step_bound on the embedding "
-            "tables too")
-    _number("scaled_embedding_step_bound", cfg.scaled_embedding_step_bound, 0, "the bound on the embedding "
-            "tables where embedding_lr_scale > 1; 0 = optimizer.step_bound")
-    embedding_lr_scale(cfg)
     _check_density(cfg)
     if not (isinstance(cfg.ranks_per_copy, int) and not isinstance(cfg.ranks_per_copy, bool)
             and cfg.ranks_per_copy >= 1):
@@ -150,11 +118,6 @@ def validate_sparse_avg(cfg) -> None:
             "0 = min(1, (4 / copies)^local_step_scale_power)", hi=1)
     _number("local_step_scale_power", cfg.local_step_scale_power, 0, "with local_step_scale=0 the copies take "
             "min(1, (4 / copies)^power) of their step", hi=1)
-    for key in ("embedding_denominator_beta", "scaled_embedding_denominator_beta"):
-        memory = getattr(cfg, key)
-        if memory is not None:
-            _number(key, memory, 0, "the shared denominator's average of q^2 per step covered; null = betas[1]",
-                    hi=1, open_hi=True)
 
 
 def _check_density(cfg: DenseOptimizerConfig) -> None:

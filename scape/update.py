@@ -19,7 +19,7 @@ class ScapeOptimizer:
     "decay on ndim >= 2 only" is one contiguous range. ``param_groups`` mirrors torch's optimizers
     so code that reads the learning rate from ``sync.optimizer`` keeps working.
 
-    ``table_ranges`` / ``table_lr_scale`` k (``optimizer.embedding_lr_scale``): the coordinates in
+    ``table_ranges`` / ``table_lr_scale`` k (a parameter group's ``lr_scale``): the coordinates in
     those ``[start, end)`` ranges of the flat buffer (the embedding tables) train at k lr, their
     step and their weight decay, as the dense optimizers' third param group does.
     """

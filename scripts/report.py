@@ -42,8 +42,12 @@ def link(name: str) -> str:
 
 
 def clean_command(command: str) -> str:
-    """The command with its machine-local folders left out (they do not change a number)."""
+    """The command with its machine-local folders left out (they do not change a number), and the
+    embedding table's lr multiple in today's spelling (a parameter group: optimizer.param_groups)
+    where the command was recorded with the key it replaced."""
     command = re.sub(r"\s--(cache-dir|runs-dir|out)\s+\S+", "", command)
+    command = re.sub(r"--set optimizer\.embedding_lr_scale=(\S+)",
+                     r"--set 'optimizer.param_groups=[{match:embedding,lr_scale:\1}]'", command)
     command = re.sub(r"(--corpus\s+)\S*/(\S+)", r"\1\2", command)
     return re.sub(r"\s+", " ", command).strip()
 
@@ -133,7 +137,6 @@ def study_block(rows: Sequence[dict], reference_label: str = "AdamS") -> List[st
     return [*study_table(rows, reference_label), "", "Commands (machine-local folders left out):", *command_lines(files)]
 
 
-TABLE_16 = ["--set optimizer.embedding_lr_scale=16"]
 FAIR = "fair_table_t.json"
 SCAPE_X16 = ["ts300_scape_elr.json", "ts300_scape_elr_lr.json", "ts300_scape_elr_lr05.json",
              "ts300_scape_elr_lr1.json", "ts300_scape_elr_lr1_90.json", "ts300_scape_elr_lr2.json",

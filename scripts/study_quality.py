@@ -125,11 +125,10 @@ _PARTS = {
     "gc": (("optimizer.grad_clip={n}",), "clipped at {n}"),
     "lr": (("optimizer.lr={n}",), "lr {n}"),
     "bound": (("optimizer.step_bound={n}",), "local steps bounded at {n}"),  # sparse_avg only
-    "emb": (("optimizer.embedding_step_bound={n}",), "local steps on the embedding table bounded at {n}"),
-    # adams / adamw / sparse_avg: the lr on the embedding tables times {n}
-    "elr": (("optimizer.embedding_lr_scale={n}",), "lr x {n} on the embedding table"),
-    # sparse_avg only: D's beta {n} on the embedding table only
-    "edbeta": (("optimizer.embedding_denominator_beta={n}",), "D's beta {n} on the table"),
+    # the embedding table's parameter group (optimizer.param_groups, one group: see table_group)
+    "emb": (("group.step_bound={n}",), "local steps on the embedding table bounded at {n}"),  # sparse_avg only
+    "elr": (("group.lr_scale={n}",), "lr x {n} on the embedding table"),  # adams / adamw / scape / sparse_avg
+    "edbeta": (("group.denominator_beta={n}",), "D's beta {n} on the table"),  # sparse_avg only
     "mom": (("optimizer.betas=[{n},0.95]",), "b1 {n}"),
     "wd": (("optimizer.weight_decay={n}",), "weight decay {n}"),
     "sp": (("optimizer.sparsity={n}",), "sparsity {n}"),
@@ -151,6 +150,22 @@ _PARTS = {
 }
 
 
+# sparse averaging's table settings where its table trains faster than the lr, as every sparse_avg
+# arm with an elrX part above 1 was measured (tiny_sma99 states them); embN / edbetaX replace them
+SPARSE_AVG_TABLE = {"step_bound": "4.47", "denominator_beta": "0.2"}
+
+
+def table_group(settings: Dict[str, str], sparse_avg: bool) -> List[str]:
+    """The override of the embedding table's parameter group from the group.* items of an arm's
+    parts: one ``optimizer.param_groups`` entry (none without settings)."""
+    if not settings:
+        return []
+    if sparse_avg and float(settings.get("lr_scale", "1")) > 1:
+        settings = {**SPARSE_AVG_TABLE, **settings}
+    fields = ",".join(f"{key}:{value}" for key, value in settings.items())
+    return [f"optimizer.param_groups=[{{match:embedding,{fields}}}]"]
+
+
 _PART_NAME = re.compile(r"([a-z]+?)((?:\d+\.?\d*|\.\d+)(?:e-?\d+)?)?")
 
 
@@ -158,7 +173,8 @@ def compose_arm(name: str) -> Optional[Arm]:
     """An arm named by its recipe, ``base+part+part...``: base scape90 / scape99 (the spec's rule at
     that sparsity), sma99t (optimizer=sparse_avg as it ships) or adams / adamw; parts: post, capN /
     lrsumN (catch-up capped at N; 0 = 1 / density), warmN, noclip, gcN (clipped at N), lrX, momX
-    (b1 = X), wdX (weight decay X), elrX (the lr on the embedding table times X), spX (the
+    (b1 = X), wdX (weight decay X), elrX (the lr on the embedding table times X; for sparse averaging
+    above 1 with the table's bound and memory of SPARSE_AVG_TABLE unless embN / edbetaX set them), spX (the
     sparsity), bfloat (bf16 values), and for sparse averaging invlrN / withlr / lrpowX / minspN
     (the density against the lr), rpcN (N ranks train one copy), boundN / embN (the local steps'
     bound, on the embedding table), edbetaX (the shared D's beta on the table), lssX / lspX (the copies' share
@@ -174,7 +190,7 @@ def compose_arm(name: str) -> Optional[Arm]:
         overrides, label = [f"optimizer={base}"], {"adams": "AdamS", "adamw": "AdamW"}[base]
     else:
         return None
-    labels = []
+    labels, group = [], {}
     for part in parts:
         # a part is letters then an optional number (0.787, 13, 6e-3): the shortest letters that
         # leave a number, so lrsum32 is lrsum + 32 and a name may end in e
@@ -185,8 +201,14 @@ def compose_arm(name: str) -> Optional[Arm]:
         if key not in _PARTS or (("{n}" in " ".join(_PARTS[key][0])) != bool(number)):
             return None
         items, text = _PARTS[key]
-        overrides += [item.format(n=number) for item in items]
+        for item in (item.format(n=number) for item in items):
+            if item.startswith("group."):
+                field, value = item[len("group."):].split("=", 1)
+                group[field] = value
+            else:
+                overrides.append(item)
         labels.append(text.format(n=number))
+    overrides += table_group(group, base == "sma99t")
     return Arm(name, f"{label}, " + " + ".join(labels), tuple(merge_overrides(overrides)),
                "composed from its name", False)
 

@@ -9,7 +9,7 @@ written. Choice-valued keys are ``Literal`` types (OmegaConf stores them as ``st
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, List, Literal, Optional
 
@@ -20,7 +20,7 @@ from core.choices import check_choice
 from core.sync import GradSync
 from data.config import DataConfig, TokenizerConfig
 from models.config import ModelConfig
-from core.optim import DenseOptimizerConfig
+from core.optim import DenseOptimizerConfig, embedding_lr_scale
 from scape.config import optimizer_config
 from sdp.config import SDPConfig
 from trainer.schedule import LrSchedule
@@ -158,6 +158,10 @@ class Config:
         if self.optimizer.shard and self.sdp.kind != "none":
             raise ConfigError("optimizer.shard=true is not supported with SDP (each worker keeps the optimizer "
                               "state of its own subnetwork only); set optimizer.shard=false")
+        scale = embedding_lr_scale(self.optimizer)
+        if scale != 1 and self.sdp.kind != "none":
+            raise ConfigError(f"optimizer.param_groups[0].lr_scale={scale:g} is not supported with SDP (a worker's "
+                              f"optimizer holds its subnetwork's pieces, not the model's tables): leave it 1")
         t = self.train
         if t.downstream_every and self.sdp.kind != "none" and self.sdp.masking == "forward":
             raise ConfigError("train.downstream_every needs the full model on rank 0, which a forward-masked "
@@ -172,7 +176,7 @@ class Config:
 
 def _shared_optimizer_keys() -> dict:
     shared = DenseOptimizerConfig()
-    return {key: getattr(shared, key) for key in DenseOptimizerConfig.__dataclass_fields__}
+    return {f.name: getattr(shared, f.name) for f in fields(DenseOptimizerConfig)}
 
 
 def to_config(cfg: Any) -> Config:

@@ -329,16 +329,17 @@ def _add_scape(est: MemoryEstimate, cfg: Any, padded: int, world: int, device_ty
 def _add_sparse_avg(est: MemoryEstimate, cfg: Any, padded: int, world: int, device_type: str) -> None:
     """Sparse model averaging (scape/averaging.py): the copy y_i (the parameters), x, the local
     momentum and the shared denominator, each over the whole flat buffer."""
-    from scape.options import embedding_denominator_beta, embedding_step_bound
+    from core.optim import override_group
 
     o = cfg.optimizer
     partition, k = _masks(cfg, padded, world)
     copies = max(1, world // int(getattr(o, "ranks_per_copy", 1)))
     est.add("sparse_avg consensus x and local momentum", 2 * 4 * padded, "persistent")
     est.add("shared denominator: average of q^2, lr sum, D, last exchange", 4 * 4 * padded, "persistent")
-    tables = [("per-coordinate table bound", bool(embedding_step_bound(o))),
-              ("per-coordinate lr scale", float(o.embedding_lr_scale) != 1),
-              ("per-coordinate denominator memory", embedding_denominator_beta(o) is not None)]
+    group = override_group(o)
+    tables = [("per-coordinate table bound", group is not None and group.step_bound is not None),
+              ("per-coordinate lr scale", group is not None and float(group.lr_scale) != 1),
+              ("per-coordinate denominator memory", group is not None and group.denominator_beta is not None)]
     for name, present in tables:
         if present:
             est.add(name, 4 * padded, "persistent")

@@ -13,8 +13,7 @@ import torch
 import scape  # noqa: F401 - registers the "scape" and "sparse_avg" synchronisers
 import sdp  # noqa: F401 - registers the "sdp" synchroniser
 from core.comm import Collectives
-from core.flat import embedding_weight_ids
-from core.optim import build_optimizer
+from core.optim import build_optimizer, group_parameter_ids
 from core.zero import ZeroDenseSynchronizer
 from core.sync import DenseAllReduce, GradientSynchronizer, register_synchronizer, synchronizer_builder
 
@@ -24,7 +23,7 @@ def _build_dense(cfg: Any, device: torch.device, comm: Collectives) -> DenseAllR
     from scape import kernels
 
     model = build_model(cfg.model, device=device)
-    tables = embedding_weight_ids(model)
+    tables = group_parameter_ids(model, cfg.optimizer)
     return DenseAllReduce(model, lambda params: build_optimizer(params, cfg.optimizer, kernels.adams_dense_update,
                                                                 tables),
                           comm, grad_sync=cfg.optimizer.grad_sync)

@@ -112,12 +112,12 @@ def _token_batch(step: int):
 
 @pytest.mark.parametrize("name", ["adamw", "adams"])
 def test_the_embedding_tables_train_at_their_scaled_lr(name):
-    """embedding_lr_scale k: along the schedule the table steps at k lr and the rest at lr, what
+    """A parameter group's lr_scale k: along the schedule the table steps at k lr and the rest at lr, what
     the optimizer does with its lr set per group by hand."""
     from trainer.step import train_step
 
     k = 3.0
-    cfg = DenseOptimizerConfig(name=name, lr=1e-2, weight_decay=0.1, embedding_lr_scale=k)
+    cfg = DenseOptimizerConfig(name=name, lr=1e-2, weight_decay=0.1, param_groups=[{"match": "embedding", "lr_scale": k}])
     model, ref = TokenModel(), TokenModel()
     sync = DenseAllReduce(model, lambda ps: build_optimizer(ps, cfg, embeddings=embedding_weight_ids(model)))
     assert [group.get("lr_scale") for group in sync.optimizer.param_groups] == [None, None, k]
@@ -136,7 +136,11 @@ def test_the_embedding_tables_train_at_their_scaled_lr(name):
     assert not torch.allclose(model.tokens.weight, TokenModel().tokens.weight), "the table never trained"
 
 
-def test_the_embedding_lr_scale_is_checked_and_resumes_by_the_config():
+def _table(lr_scale: float, **more) -> list:
+    return [{"match": "embedding", "lr_scale": lr_scale, **more}]
+
+
+def test_the_tables_lr_scale_is_checked_and_resumes_by_the_config():
     model = TokenModel()
     tables = embedding_weight_ids(model)
 
@@ -145,19 +149,45 @@ def test_the_embedding_lr_scale_is_checked_and_resumes_by_the_config():
         return DenseAllReduce(model, lambda ps: build_optimizer(ps, cfg, embeddings=tables))
 
     for bad in (0.0, -1.0, float("nan")):
-        with pytest.raises(ValueError, match=r"embedding_lr_scale=.* must be a number > 0"):
-            sync_for(embedding_lr_scale=bad)
+        with pytest.raises(ValueError, match=r"param_groups\[0\].lr_scale=.* must be a number > 0"):
+            sync_for(param_groups=_table(bad))
     # an optimizer built without the tables (ZeRO-1's flat pieces, SDP's held parameters) refuses it
+    with pytest.raises(ValueError, match=r"param_groups\[0\].lr_scale=2: this optimizer was built without the "
+                                         r"model's embedding tables"):
+        build_optimizer(list(model.parameters()), DenseOptimizerConfig(name="adams", param_groups=_table(2.0)))
     with pytest.raises(ValueError, match="built without the model's embedding tables"):
-        build_optimizer(list(model.parameters()), DenseOptimizerConfig(name="adams", embedding_lr_scale=2.0))
-    with pytest.raises(ValueError, match="built without the model's embedding tables"):
-        ZeroDenseSynchronizer(model, DenseOptimizerConfig(name="adams", embedding_lr_scale=2.0))
-    scaled = sync_for(embedding_lr_scale=2.0)
+        ZeroDenseSynchronizer(model, DenseOptimizerConfig(name="adams", param_groups=_table(2.0)))
+    # the config refuses it first: a sharded optimizer never holds whole tables
+    with pytest.raises(ValueError, match=r"param_groups\[0\].lr_scale=2 is not supported with optimizer.shard=true"):
+        DenseOptimizerConfig(name="adams", shard=True, param_groups=_table(2.0))
+    scaled = sync_for(param_groups=_table(2.0))
     scaled.step(1e-2)
     with pytest.raises(ValueError, match="3 parameter groups, this run's 2"):
         sync_for().load_state_dict(scaled.state_dict())
     # another scale on resume: the run's config decides, as it does the lr
-    resumed = sync_for(embedding_lr_scale=4.0)
+    resumed = sync_for(param_groups=_table(4.0))
     resumed.load_state_dict(scaled.state_dict())
     resumed.step(1e-2)
     assert resumed.optimizer.param_groups[2]["lr"] == pytest.approx(4e-2)
+
+
+@pytest.mark.parametrize("groups,needle", [
+    ([{"match": "embedding", "lr_scale": 2.0, "lr": 1e-3}],
+     r"optimizer.param_groups\[0\].lr is not a field of a parameter group \(its fields: match, lr_scale, "
+     r"step_bound, denominator_beta\): remove it"),
+    ([{"match": "embedding", "lr_scale": 2.0}, {"match": "embedding", "lr_scale": 4.0}],
+     "optimizer.param_groups holds 2 groups; one override group is supported"),
+    ([{"lr_scale": 2.0}], r"optimizer.param_groups\[0\] has no match"),
+    ([{"match": "norm", "lr_scale": 2.0}], r"optimizer.param_groups\[0\].match='norm' is not supported"),
+    (_table(2.0, step_bound=4.47), r"optimizer.param_groups\[0\].step_bound=4.47 sets the bound on a local step "
+                                   r"\(sparse_avg\), which optimizer=adams does not have"),
+    (_table(2.0, denominator_beta=0.2), r"denominator_beta=0.2 sets the shared denominator's memory \(sparse_avg\), "
+                                        r"which optimizer=adams does not have"),
+])
+def test_a_parameter_group_with_an_unknown_field_or_a_second_group_is_refused(groups, needle):
+    """Through the config every optimizer is built from, as train.py's command line gives it."""
+    from scape.config import optimizer_config
+
+    with pytest.raises(ValueError, match=needle):
+        optimizer_config(name="adams", param_groups=groups)
+

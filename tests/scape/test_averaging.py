@@ -31,12 +31,21 @@ def avg_config(**overrides) -> SparseAverageConfig:
     """The tests' plain rule: fp32 values through one all-reduce, a constant density, the whole
     local step, no table settings; each test sets what it exercises."""
     base = dict(lr=1e-2, weight_decay=0.1, sparsity=0.9, value_bits=0, value_dtype="fp32", density_lr_power=0.0,
-                min_sparsity=0.0, local_step_scale=1.0, scaled_embedding_step_bound=0.0,
-                scaled_embedding_denominator_beta=None)
+                min_sparsity=0.0, local_step_scale=1.0)
     if overrides.get("name", "sparse_avg") != "sparse_avg":  # another optimizer's config, for its refusals
         base = dict(lr=1e-2, weight_decay=0.1, sparsity=0.9)
     base.update(overrides)
     return optimizer_config(name=base.pop("name", "sparse_avg"), **base)
+
+
+# a parameter group on a model without an embedding table
+NO_TABLE = (r"optimizer.param_groups\[0\].match=embedding selects the torch.nn.Embedding weights, but the model "
+            r"has no torch.nn.Embedding: remove the group")
+
+
+def table_group(**settings) -> dict:
+    """``optimizer.param_groups`` with one group on the embedding tables: its ``settings``."""
+    return {"param_groups": [{"match": "embedding", **settings}]}
 
 
 def _gathered(tensor: torch.Tensor, world: int):
@@ -513,14 +522,16 @@ def test_a_pending_requantization_error_is_in_the_average_on_resume_and_reshardi
     run_distributed(_pending_error_keeps_the_average, world_size=2)
 
 
-@pytest.mark.parametrize("embedding_bound", [0.0, 0.05])
+@pytest.mark.parametrize("embedding_bound", [None, 0.05])
 def test_the_embedding_table_has_its_own_step_bound(embedding_bound):
+    """A parameter group's step_bound bounds the table's local steps (None: the optimizer's own),
+    whatever its lr multiple."""
     from trainer.step import train_step
 
     lr, bound = 1e-2, 0.5
     model = TokenModel()
     sync = SparseAverageSynchronizer(model, avg_config(weight_decay=0.0, step_bound=bound,
-                                                       embedding_step_bound=embedding_bound))
+                                                       **table_group(step_bound=embedding_bound)))
     table, head = model.tokens.weight.detach().clone(), model.head.weight.detach().clone()
     ids, y = torch.tensor([[1, 2, 3], [3, 4, 5]]), torch.tensor([0, 2])
     train_step(sync.model, sync, iter([(ids, y)]), 1, lr, 0.0, sync.comm)
@@ -537,8 +548,7 @@ def test_the_embedding_lr_scale_scales_the_tables_step_and_decay():
 
     lr, bound, k, wd = 1e-2, 0.5, 3.0, 0.1
     model = TokenModel()
-    sync = SparseAverageSynchronizer(model, avg_config(weight_decay=wd, step_bound=bound,
-                                                       embedding_lr_scale=k))
+    sync = SparseAverageSynchronizer(model, avg_config(weight_decay=wd, step_bound=bound, **table_group(lr_scale=k)))
     table, head = model.tokens.weight.detach().clone(), model.head.weight.detach().clone()
     ids, y = torch.tensor([[1, 2, 3], [3, 4, 5]]), torch.tensor([0, 2])
     train_step(sync.model, sync, iter([(ids, y)]), 1, lr, 0.0, sync.comm)
@@ -565,7 +575,7 @@ class _ScaledTable(TokenModel):
 
 
 def _lr_scale_is_a_table_in_other_units(rank: int, world: int) -> None:
-    """embedding_lr_scale k equals training the table in units k times smaller, W = k W': every
+    """A group's lr_scale k equals training the table in units k times smaller, W = k W': every
     step of the rule is unit-free (m / D, the bound, q = drift D / lr sum) but the lr, so W' moves
     by lr what W moves by k lr. No weight decay, no clipping and eps ~ 0 (none is unit-free), a
     cyclic mask (the top-k would see the drifts' units)."""
@@ -574,7 +584,7 @@ def _lr_scale_is_a_table_in_other_units(rank: int, world: int) -> None:
     k = 4.0  # a power of 2: W / k and k W' are exact
     cfg = dict(sparsity=0.5, weight_decay=0.0, step_bound=3.0, eps=1e-20)
     scaled, reference = TokenModel(), _ScaledTable(k)
-    sync = SparseAverageSynchronizer(scaled, avg_config(**cfg, embedding_lr_scale=k))
+    sync = SparseAverageSynchronizer(scaled, avg_config(**cfg, **table_group(lr_scale=k)))
     ref = SparseAverageSynchronizer(reference, avg_config(**cfg))
     for step in range(1, 7):
         gen = torch.Generator().manual_seed(100 * step + rank)
@@ -593,11 +603,11 @@ def _lr_scale_is_a_table_in_other_units(rank: int, world: int) -> None:
 
 
 def test_the_tables_denominator_has_its_own_memory():
-    """embedding_denominator_beta b_e: D^2 folds q^2 with b_e^S on the table's coordinates and
+    """A group's denominator_beta b_e: D^2 folds q^2 with b_e^S on the table's coordinates and
     b^S elsewhere (S the steps covered), each bias-corrected by its own beta."""
     from scape.averaging import _SharedNormalizer
 
-    sync = SparseAverageSynchronizer(TokenModel(), avg_config(embedding_denominator_beta=0.3))
+    sync = SparseAverageSynchronizer(TokenModel(), avg_config(**table_group(denominator_beta=0.3)))
     memory = sync.normalizer.memory
     at = sync.flat.offsets[[id(p) for p in sync.flat.params].index(id(sync.model.tokens.weight))]
     table = torch.zeros_like(memory, dtype=torch.bool)
@@ -616,91 +626,19 @@ def test_the_tables_denominator_has_its_own_memory():
     expected = b ** 2 * start + (1 - b ** 2) * q ** 2
     torch.testing.assert_close(second, expected)
     torch.testing.assert_close(denom, (expected / (1 - b ** 3)).sqrt() + 1e-8)
-    with pytest.raises(ValueError, match="embedding_denominator_beta=0.5 sets D's memory on the embedding tables, "
-                                         "but the model has no torch.nn.Embedding: leave it null"):
-        SparseAverageSynchronizer(make_model(), avg_config(embedding_denominator_beta=0.5))
-    with pytest.raises(ValueError, match=r"embedding_denominator_beta=-0.1 must be a number in \[0, 1\)"):
-        SparseAverageSynchronizer(TokenModel(), avg_config(embedding_denominator_beta=-0.1))
+    with pytest.raises(ValueError, match=NO_TABLE):
+        SparseAverageSynchronizer(make_model(), avg_config(**table_group(denominator_beta=0.5)))
+    with pytest.raises(ValueError, match=r"optimizer.param_groups\[0\].denominator_beta=-0.1 must be a number in \[0, 1\)"):
+        SparseAverageSynchronizer(TokenModel(), avg_config(**table_group(denominator_beta=-0.1)))
 
 
-def _scaled_key_acts_at_a_raised_table_lr(rank: int, scaled: str, explicit: str, value: float, read) -> dict:
-    """Two copies, 5 steps: with embedding_lr_scale 4 the key ``scaled`` = value trains bit for bit
-    as ``explicit`` = value (and not as with neither); at the lr it changes nothing. Returns
-    ``read(normalizer)`` of each arm."""
+def _a_tables_group_resumes_exactly(rank: int, world: int) -> None:
+    """Two copies with the table at 4 lr, its own bound and memory: 3 steps, the three state
+    dicts through bytes, into a new model, 3 more, equal bit for bit to 6 steps at once."""
     from trainer.step import train_step
 
-    base = dict(sparsity=0.5, value_dtype="fp32", value_bits=0)
-    arms = {"scaled": {"embedding_lr_scale": 4.0, scaled: value},
-            "explicit": {"embedding_lr_scale": 4.0, explicit: value},
-            "none": {"embedding_lr_scale": 4.0},
-            "scaled_at_lr": {scaled: value},
-            "none_at_lr": {}}
-    trained = {}
-    for name, overrides in arms.items():
-        sync = SparseAverageSynchronizer(TokenModel(), avg_config(**base, **overrides))
-        for step in range(1, 6):
-            ids = torch.randint(0, 16, (4, 3), generator=torch.Generator().manual_seed(100 * step + rank))
-            train_step(sync.train_module, sync, iter([(ids, ids[:, 0] % 3)]), 1, 1e-2, 1.0, sync.comm)
-        trained[name] = (sync.flat.data.clone(), sync.consensus.clone(), read(sync.normalizer))
-    for a, b in (("scaled", "explicit"), ("scaled_at_lr", "none_at_lr")):
-        assert torch.equal(trained[a][0], trained[b][0]) and torch.equal(trained[a][1], trained[b][1]), (a, b)
-    assert not torch.equal(trained["scaled"][0], trained["none"][0])
-    return {name: arm[2] for name, arm in trained.items()}
-
-
-def _the_tables_memory_follows_its_lr(rank: int, world: int) -> None:
-    """scaled_embedding_denominator_beta b_s is the table's memory only where the table trains
-    faster than the lr (D's memory stays one float at the lr); an explicit
-    embedding_denominator_beta wins over it."""
-    memory = _scaled_key_acts_at_a_raised_table_lr(rank, "scaled_embedding_denominator_beta",
-                                                   "embedding_denominator_beta", 0.3, lambda n: n.memory)
-    assert isinstance(memory["scaled_at_lr"], float)
-    assert sorted(set(memory["scaled"].tolist())) == pytest.approx([0.3, 0.95])
-    base = dict(sparsity=0.5, value_dtype="fp32", value_bits=0)
-    both = SparseAverageSynchronizer(TokenModel(), avg_config(**base, embedding_lr_scale=4.0, embedding_denominator_beta=0.5,
-                                                              scaled_embedding_denominator_beta=0.3))
-    assert sorted(set(both.normalizer.memory.tolist())) == pytest.approx([0.5, 0.95])
-
-
-def test_the_tables_memory_follows_the_tables_lr():
-    run_distributed(_the_tables_memory_follows_its_lr, world_size=2)
-
-
-def test_the_shipped_tables_memory_is_on_only_at_a_larger_table_lr():
-    """conf/optimizer/sparse_avg.yaml: the table's memory 0.2 once its lr is raised, none at the lr;
-    a bad value is named."""
-    from scape.options import embedding_denominator_beta
-
-    assert embedding_denominator_beta(_composed_sparse_avg(300)) is None
-    assert embedding_denominator_beta(_composed_sparse_avg(300, "optimizer.embedding_lr_scale=16")) == 0.2
-    assert embedding_denominator_beta(_composed_sparse_avg(300, "optimizer.embedding_lr_scale=16",
-                                                           "optimizer.embedding_denominator_beta=0.5")) == 0.5
-    assert embedding_denominator_beta(_composed_sparse_avg(300, "optimizer.embedding_lr_scale=16",
-                                                           "optimizer.scaled_embedding_denominator_beta=null")) is None
-    with pytest.raises(ValueError, match=r"scaled_embedding_denominator_beta=1.5 must be a number in \[0, 1\)"):
-        SparseAverageSynchronizer(TokenModel(), avg_config(scaled_embedding_denominator_beta=1.5))
-    with pytest.raises(ValueError, match="scaled_embedding_denominator_beta=0.2 is a sparse_avg option; optimizer=scape"):
-        scape.build_synchronizer(TokenModel(), avg_config(name="scape", scaled_embedding_denominator_beta=0.2))
-
-
-def _the_tables_bound_follows_its_lr(rank: int, world: int) -> None:
-    """scaled_embedding_step_bound b_s bounds the table's local steps only where the table trains
-    faster than the lr (one bound for every coordinate at the lr; b_s = 0.5 binds); an explicit
-    embedding_step_bound wins over it; resume is exact with it on."""
-    from trainer.step import train_step
-
-    bounds = _scaled_key_acts_at_a_raised_table_lr(rank, "scaled_embedding_step_bound", "embedding_step_bound",
-                                                   0.5, lambda n: n.bounds)
-    assert bounds["scaled_at_lr"] is None
-    base = dict(sparsity=0.5, value_dtype="fp32", value_bits=0)
-    rest = SparseAverageSynchronizer(TokenModel(), avg_config(**base)).normalizer.bound
-    assert sorted(set(bounds["scaled"].tolist())) == pytest.approx(sorted([0.5, rest]))
-    both = SparseAverageSynchronizer(TokenModel(), avg_config(**base, embedding_lr_scale=4.0, embedding_step_bound=2.0,
-                                                              scaled_embedding_step_bound=0.5))
-    assert sorted(set(both.normalizer.bounds.tolist())) == pytest.approx(sorted([2.0, rest]))
-    # resume is exact: 3 steps, the three state dicts through bytes, into a new model, 3 more
     resumable = dict(sparsity=0.7, value_bits=2, value_dtype="bf16",
-                     embedding_lr_scale=4.0, scaled_embedding_step_bound=0.5)
+                     **table_group(lr_scale=4.0, step_bound=0.5, denominator_beta=0.3))
 
     def steps(sync, first, last):
         for step in range(first, last + 1):
@@ -709,6 +647,8 @@ def _the_tables_bound_follows_its_lr(rank: int, world: int) -> None:
 
     whole = SparseAverageSynchronizer(TokenModel(), avg_config(**resumable))
     steps(whole, 1, 6)
+    assert sorted(set(whole.normalizer.bounds.tolist())) == pytest.approx(sorted([0.5, whole.normalizer.bound]))
+    assert sorted(set(whole.normalizer.memory.tolist())) == pytest.approx([0.3, 0.95])
     split = SparseAverageSynchronizer(TokenModel(), avg_config(**resumable))
     steps(split, 1, 3)
     saved = roundtrip({"model": split.model_state_dict(), "replicated": split.state_dict(),
@@ -721,35 +661,32 @@ def _the_tables_bound_follows_its_lr(rank: int, world: int) -> None:
     assert torch.equal(resumed.flat.data, whole.flat.data) and torch.equal(resumed.consensus, whole.consensus)
 
 
-def test_the_tables_bound_follows_the_tables_lr():
-    run_distributed(_the_tables_bound_follows_its_lr, world_size=2)
+def test_a_tables_group_resumes_exactly():
+    run_distributed(_a_tables_group_resumes_exactly, world_size=2)
 
 
-def test_the_shipped_tables_bound_is_on_only_at_a_larger_table_lr():
-    """conf/optimizer/sparse_avg.yaml: the table's bound 4.47 once its lr is raised, none at the lr;
-    a bad value is named."""
-    from scape.options import embedding_step_bound
+def test_the_tables_group_is_stated_by_the_experiment_and_checked():
+    """optimizer=sparse_avg has no group (one setting everywhere); tiny_sma99 states its table's
+    lr multiple, bound and memory; a setting is used as given, whatever the lr multiple; a bad
+    value, another optimizer's setting and a model without a table are named."""
+    from core.optim import ParamGroupConfig
+    from tests.train_helpers import compose_config
+    from trainer.config import to_config
 
-    assert embedding_step_bound(_composed_sparse_avg(300)) == 0
-    assert embedding_step_bound(_composed_sparse_avg(300, "optimizer.embedding_lr_scale=16")) == 4.47
-    assert embedding_step_bound(_composed_sparse_avg(300, "optimizer.embedding_lr_scale=16",
-                                                     "optimizer.embedding_step_bound=6")) == 6
-    assert embedding_step_bound(_composed_sparse_avg(300, "optimizer.embedding_lr_scale=16",
-                                                     "optimizer.scaled_embedding_step_bound=0")) == 0
-    # it only tightens: a hand-set step_bound below it holds on the table too, one above it does not
-    assert embedding_step_bound(_composed_sparse_avg(300, "optimizer.embedding_lr_scale=16",
-                                                     "optimizer.step_bound=3")) == 0
-    assert embedding_step_bound(_composed_sparse_avg(300, "optimizer.embedding_lr_scale=16",
-                                                     "optimizer.step_bound=1000")) == 4.47
-    for bad in (-1.0, float("inf")):
-        with pytest.raises(ValueError, match=rf"scaled_embedding_step_bound={bad!r} must be a number >= 0"):
-            SparseAverageSynchronizer(TokenModel(), avg_config(scaled_embedding_step_bound=bad))
-    with pytest.raises(ValueError, match="scaled_embedding_step_bound=4.47 is a sparse_avg option; optimizer=scape"):
-        scape.build_synchronizer(TokenModel(), avg_config(name="scape", scaled_embedding_step_bound=4.47))
-    with pytest.raises(ValueError, match="scaled_embedding_step_bound=4.47 bounds the steps on the embedding tables, "
-                                         "but the model has no torch.nn.Embedding: leave it 0"):
-        SparseAverageSynchronizer(make_model(), avg_config(embedding_lr_scale=2,
-                                                           scaled_embedding_step_bound=4.47))
+    assert _composed_sparse_avg(300).param_groups == []
+    shipped = to_config(compose_config(["+experiment=tiny_sma99"])).optimizer.param_groups
+    assert shipped == [ParamGroupConfig(match="embedding", lr_scale=16.0, step_bound=4.47, denominator_beta=0.2)]
+    at_lr = SparseAverageSynchronizer(TokenModel(), avg_config(**table_group(step_bound=0.5, denominator_beta=0.3)))
+    assert at_lr.normalizer.lr_scales is None and sorted(set(at_lr.normalizer.memory.tolist())) == pytest.approx([0.3, 0.95])
+    for bad in (-1.0, 0.0, float("inf")):
+        with pytest.raises(ValueError, match=rf"optimizer.param_groups\[0\].step_bound={bad!r} must be a number > 0"):
+            SparseAverageSynchronizer(TokenModel(), avg_config(**table_group(step_bound=bad)))
+    for key, value in (("step_bound", 4.47), ("denominator_beta", 0.2)):
+        with pytest.raises(ValueError, match=rf"optimizer.param_groups\[0\].{key}={value} sets .* which "
+                                             rf"optimizer=scape does not have: remove it \(leave it null\)"):
+            scape.build_synchronizer(TokenModel(), avg_config(name="scape", **table_group(**{key: value})))
+    with pytest.raises(ValueError, match=NO_TABLE):
+        SparseAverageSynchronizer(make_model(), avg_config(**table_group(lr_scale=2, step_bound=4.47)))
 
 
 def test_the_embedding_lr_scale_trains_the_table_as_in_smaller_units():
@@ -886,23 +823,24 @@ def test_settings_are_checked_and_the_builders_dispatch():
     other = SparseAverageSynchronizer(make_model(), avg_config())
     with pytest.raises(ValueError, match="not written by optimizer=sparse_avg"):
         other.load_state_dict({"optimizer": "scape"})
-    for key in ("step_bound", "embedding_step_bound"):
-        with pytest.raises(ValueError, match=rf"optimizer.{key}=-1.0 must be a number >= 0"):
-            SparseAverageSynchronizer(make_model(), avg_config(**{key: -1}))
-        with pytest.raises(ValueError, match=f"optimizer.{key}=2 is a sparse_avg option; optimizer=scape does not"):
-            scape.build_synchronizer(make_model(), avg_config(name="scape", **{key: 2}))
-    with pytest.raises(ValueError, match="the model has no torch.nn.Embedding: leave it 0"):
-        SparseAverageSynchronizer(make_model(), avg_config(embedding_step_bound=2))
+    with pytest.raises(ValueError, match=r"optimizer.step_bound=-1.0 must be a number >= 0"):
+        SparseAverageSynchronizer(make_model(), avg_config(step_bound=-1))
+    with pytest.raises(ValueError, match="optimizer.step_bound=2 is a sparse_avg option; optimizer=scape does not"):
+        scape.build_synchronizer(make_model(), avg_config(name="scape", step_bound=2))
+    with pytest.raises(ValueError, match=NO_TABLE):
+        SparseAverageSynchronizer(make_model(), avg_config(**table_group(step_bound=2)))
     # SCAPE takes the table's lr where its state holds the whole model, not on a model without a table
-    assert scape.build_synchronizer(TokenModel(), avg_config(name="scape", embedding_lr_scale=2)).table_ranges
-    with pytest.raises(ValueError, match="embedding_lr_scale=2 scales the lr on the embedding tables, but the model"):
-        scape.build_synchronizer(make_model(), avg_config(name="scape", embedding_lr_scale=2))
-    with pytest.raises(ValueError, match="embedding_lr_scale=2 is not supported with optimizer.shard=true or SDP"):
-        scape.build_synchronizer(TokenModel(), avg_config(name="scape", embedding_lr_scale=2, shard=True))
-    with pytest.raises(ValueError, match="embedding_lr_scale=0.0 must be a number > 0"):
-        SparseAverageSynchronizer(TokenModel(), avg_config(embedding_lr_scale=0))
-    with pytest.raises(ValueError, match="embedding_lr_scale=2 scales the lr on the embedding tables, but the model"):
-        SparseAverageSynchronizer(make_model(), avg_config(embedding_lr_scale=2))
+    assert scape.build_synchronizer(TokenModel(), avg_config(name="scape", **table_group(lr_scale=2))).table_ranges
+    with pytest.raises(ValueError, match=NO_TABLE):
+        scape.build_synchronizer(make_model(), avg_config(name="scape", **table_group(lr_scale=2)))
+    with pytest.raises(ValueError, match=r"param_groups\[0\].lr_scale=2 is not supported with optimizer.shard=true"):
+        avg_config(name="scape", shard=True, **table_group(lr_scale=2))
+    with pytest.raises(ValueError, match=r"param_groups\[0\].lr_scale=2 is not supported with SDP"):
+        Config(optimizer=avg_config(name="scape", **table_group(lr_scale=2)), sdp=SDPConfig(kind="block"), seed=0)
+    with pytest.raises(ValueError, match=r"param_groups\[0\].lr_scale=0.0 must be a number > 0"):
+        SparseAverageSynchronizer(TokenModel(), avg_config(**table_group(lr_scale=0)))
+    with pytest.raises(ValueError, match=NO_TABLE):
+        SparseAverageSynchronizer(make_model(), avg_config(**table_group(lr_scale=2)))
     for gone in ("denominator_beta", "own_denominator_floor", "mask_rule"):  # rules that lost (docs/JOURNAL.md)
         with pytest.raises(ValueError, match=f"optimizer.{gone}=0.5 is not a key; optimizer=sparse_avg does not use it"):
             avg_config(**{gone: 0.5})

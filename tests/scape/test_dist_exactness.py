@@ -31,13 +31,14 @@ def test_sparsity_zero_equals_dense_adams_with_allreduced_gradients():
 
 
 def _table_lr_at_sparsity_zero_equals_dense_adams(rank: int, world: int) -> None:
-    """optimizer.embedding_lr_scale k: SCAPE at density 1 (its dense first step, then the lazy
+    """A parameter group's lr_scale k (optimizer.param_groups): SCAPE at density 1 (its dense first step, then the lazy
     rule on every coordinate) equals dense AdamS whose table group trains at k lr, decay included."""
     from trainer.step import train_step
 
     k = 4.0
     model, reference = TokenModel(), TokenModel()
-    sync = ScapeSynchronizer(model, scape_config(sparsity=0.0, weight_decay=0.1, embedding_lr_scale=k))
+    sync = ScapeSynchronizer(model, scape_config(sparsity=0.0, weight_decay=0.1,
+                                                param_groups=[{"match": "embedding", "lr_scale": k}]))
     dense = DenseAllReduce(reference, lambda ps: AdamS(param_groups(ps, 0.1, embedding_weight_ids(reference), k),
                                                        lr=1e-2, betas=(0.9, 0.95), eps=1e-8))
     for step in range(1, 9):

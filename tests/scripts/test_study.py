@@ -85,7 +85,13 @@ def test_composed_arms_follow_their_recipe_and_bad_names_are_refused(monkeypatch
     assert study.ARMS["sma99t"].overrides == ("optimizer=sparse_avg",)
     assert study.compose_arm("sma99t+lr2e-3").overrides == ("optimizer=sparse_avg", "optimizer.lr=2e-3")
     table = dict(i.split("=", 1) for i in study.compose_arm("sma99t+emb8.94+bound13").overrides)
-    assert (table["optimizer.embedding_step_bound"], table["optimizer.step_bound"]) == ("8.94", "13")
+    assert table["optimizer.param_groups"] == "[{match:embedding,step_bound:8.94}]" and table["optimizer.step_bound"] == "13"
+    # the table's parts make one parameter group; sparse averaging's at a raised table lr has its
+    # bound and memory unless a part sets them, the dense arms' has the lr multiple only
+    group = dict(i.split("=", 1) for i in study.compose_arm("sma99t+elr16+edbeta0.5").overrides)
+    assert group["optimizer.param_groups"] == "[{match:embedding,step_bound:4.47,denominator_beta:0.5,lr_scale:16}]"
+    dense = dict(i.split("=", 1) for i in study.compose_arm("adams+elr16").overrides)
+    assert dense["optimizer.param_groups"] == "[{match:embedding,lr_scale:16}]"
     slope = dict(i.split("=", 1) for i in study.compose_arm("sma99t+lsp0.5").overrides)
     assert (slope["optimizer.local_step_scale"], slope["optimizer.local_step_scale_power"]) == ("0", "0.5")
     # the density follows (lr / peak lr)^0.5, capped at the peak lr (lrpow is not lr + pow0.5)
@@ -148,7 +154,8 @@ def test_presets_set_arms_lrs_and_seeds_and_every_arm_composes():
     table = study.parse_args(["--preset", "fair_table", "--arms", "adams+elr16", "--lrs", "2e-3"])
     assert table.lrs == [2e-3] and table.seeds == [1337, 1]  # given flags win over the preset's
     overrides = dict(i.split("=", 1) for i in study.compose_arm("sma99t+elr16").overrides)
-    assert overrides == {"optimizer": "sparse_avg", "optimizer.embedding_lr_scale": "16"}
+    assert overrides == {"optimizer": "sparse_avg",
+                         "optimizer.param_groups": "[{match:embedding,step_bound:4.47,denominator_beta:0.2,lr_scale:16}]"}
 
 
 def test_gaps_are_to_adams_or_else_to_the_first_adams_arm_with_parts():

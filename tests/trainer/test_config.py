@@ -71,6 +71,15 @@ def test_each_optimizer_file_equals_its_dataclass(name):
     (["optimizer=adamw", "+optimizer.sparsity=0.5"], "optimizer.sparsity=0.5 is a sparse_avg option; optimizer=adamw"),
     (["optimizer=sparse_avg", "+optimizer.lag=false"], "optimizer.lag=False is a SCAPE option; optimizer=sparse_avg"),
     (["optimizer=scape", "+optimizer.value_bits=2"], "optimizer.value_bits=2 is a sparse_avg option; optimizer=scape"),
+    # a parameter group: an unknown field, a second group, another optimizer's setting
+    (["optimizer.param_groups=[{match:embedding,lr:2}]"],
+     "optimizer.param_groups[0].lr is not a field of a parameter group (its fields: match, lr_scale, step_bound, "
+     "denominator_beta): remove it"),
+    (["optimizer=sparse_avg", "optimizer.param_groups=[{match:embedding,lr_scale:16},{match:embedding,step_bound:2}]"],
+     "optimizer.param_groups holds 2 groups; one override group is supported"),
+    (["+experiment=tiny_scape99", "optimizer.param_groups=[{match:embedding,lr_scale:16,denominator_beta:0.2}]"],
+     "optimizer.param_groups[0].denominator_beta=0.2 sets the shared denominator's memory (sparse_avg), which "
+     "optimizer=scape does not have"),
 ])
 def test_a_key_the_optimizer_does_not_have_is_refused(overrides, needle, tmp_path):
     proc = train_cli([*overrides, f"out_dir={tmp_path}"], timeout=120)

@@ -44,8 +44,8 @@ COMMON = ["logger=console", "train.log_every=1", "train.eval_every=0", "train.ck
 # spec's rule with optimizer=scape_spec, whose arithmetic is bit-identical to that old default path.
 CASES: Dict[str, List[str]] = {
     # tiny_adams as pinned, before its embedding table trained at 16 lr (2026-12-05)
-    "tiny_adams": ["+experiment=tiny_adams", "optimizer.embedding_lr_scale=1", "optimizer.lr=3e-3"],
-    "tiny_scape99_spec": ["+experiment=tiny_scape99", "optimizer=scape_spec", "optimizer.embedding_lr_scale=1"],
+    "tiny_adams": ["+experiment=tiny_adams", "optimizer.param_groups=[]", "optimizer.lr=3e-3"],
+    "tiny_scape99_spec": ["+experiment=tiny_scape99", "optimizer=scape_spec", "optimizer.param_groups=[]"],
     # the two 99% experiments exactly as they ship (pinned before the options cleanup, issue 49)
     "tiny_scape99": ["+experiment=tiny_scape99"],
     "tiny_sma99": ["+experiment=tiny_sma99"],

@@ -40,8 +40,9 @@ def test_two_process_run_learns_logs_and_checkpoints(tmp_path, prepared_cache):
     assert "validation loss" in proc.stdout and str(run) in proc.stdout
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "adams", "adams optimizer.embedding_lr_scale=4",
-                                       "sparse_avg optimizer.embedding_lr_scale=4"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adams", "adams optimizer.param_groups=[{match:embedding,lr_scale:4}]",
+                                       "sparse_avg optimizer.param_groups=[{match:embedding,lr_scale:4,step_bound:4.47,"
+                                       "denominator_beta:0.2}]"])
 def test_resume_auto_reproduces_the_uninterrupted_losses(tmp_path, prepared_cache, optimizer):
     name, *options = optimizer.split()
     common = _args(tmp_path, prepared_cache, f"optimizer={name}", *options, "train.steps=10", "train.ckpt_every=0")
