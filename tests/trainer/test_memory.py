@@ -160,7 +160,8 @@ def test_llama500m_on_this_machine_is_refused_before_anything_is_written(tmp_pat
     status.json saying "running". The limit is fixed (train.memory_limit_gib=20, below this 24 GB
     machine's RAM) so the test does not depend on what else runs here; then as it ships."""
     out, cache = tmp_path / "runs", tmp_path / "cache"
-    args = ["model=llama500m", f"out_dir={out}", f"data.cache_dir={cache}", "logger=console"]
+    # One micro-batch of llama500m's 2,048-token sequences is 16,384 tokens; the batch must hold it.
+    args = ["model=llama500m", "train.global_batch_tokens=16384", f"out_dir={out}", f"data.cache_dir={cache}", "logger=console"]
     proc = train_cli([*args, "train.memory_limit_gib=20"], timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     message = proc.stderr
