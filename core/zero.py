@@ -12,6 +12,11 @@ m) of shard r only, 1/N of DenseAllReduce's. Per step:
 Reduce-scatter plus all-gather send exactly the bytes of the one fp32 all-reduce of
 DenseAllReduce (both are the two halves of a ring all-reduce), plus the 8-byte norm. The model
 itself stays whole on every rank (its forward needs it); what shrinks is the optimizer state.
+
+The norm stays on the device and the skip decision is taken as DenseAllReduce takes it
+(``step(lr, skip)``): on the device with torch's fused AdamW (its ``found_inf``), read once per
+step with AdamS (its step count is on the host). A skipped step still all-gathers the shards,
+unchanged, so every rank issues the same collectives without knowing the flag.
 """
 from __future__ import annotations
 
@@ -67,17 +72,33 @@ class ZeroDenseSynchronizer(GradientSynchronizer):
         if self.world > 1:
             self.grad_shard.div_(self.world)
 
-    def clip_gradients(self, max_norm: float) -> float:
-        """torch.nn.utils.clip_grad_norm_'s rule on the global norm, summed from the shards."""
+    def clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_'s rule on the global norm, summed from the shards (a
+        device tensor: no host read)."""
         squares = torch.linalg.vector_norm(self.grad_shard).double().square().reshape(1)
         self.comm.all_reduce(squares, kind="grad_norm")
         norm = squares.sqrt().float().squeeze(0)
         if max_norm > 0:
             self.grad_shard.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-        return float(norm)
+        return norm
 
-    def step(self, lr: float) -> None:
-        super().step(lr)
+    takes_skip_flag = True
+
+    @property
+    def skips_on_device(self) -> bool:
+        """The optimizer takes a ``found_inf`` flag (torch's fused AdamW): no host read at all."""
+        return bool(self.optimizer.defaults.get("fused"))
+
+    def step(self, lr: float, skip: Optional[torch.Tensor] = None) -> None:
+        if skip is None or not self.skips_on_device:
+            if skip is None or not bool(skip):  # AdamS: the step's one host read
+                super().step(lr)
+        else:
+            self.optimizer.found_inf = skip.to(torch.float32).reshape(())
+            try:
+                super().step(lr)
+            finally:
+                del self.optimizer.found_inf
         send = self.flat.data[self.shard].clone()  # the all-gather's output holds the input's storage
         self.comm.all_gather_into_tensor(self.flat.data, send, kind="param_allgather")
 

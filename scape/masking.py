@@ -11,7 +11,14 @@ of a mask M_t that every rank knows. ``MaskExchange`` is that mask's whole life:
   the wait lands in the next step's reduce_gradients;
 - the mask held (ascending flat indices, k per partition, the step it is for), and how much of
   this rank's part of it the next one keeps (scape/mask_overlap);
-- the checkpoint: the pending mask as a bitmap, and the layout it is only valid for.
+- the checkpoint: the pending mask as a bitmap, and the layout it is only valid for;
+- what the host must know of the mask (``host_view``): where the owner's fixed flat offsets
+  (``set_edges``: bucket and residual chunk bounds) fall in it, and on request a host copy of the
+  mask itself (an offloaded residual is gathered on the host). Slicing the mask by bucket needs
+  these positions as host integers, so they are read once per mask, never in a backward hook.
+  On CUDA the all-gather is decoded on a side stream as soon as it lands and the positions are
+  copied to pinned memory behind an event, so the one read per step waits for that small work
+  only (it ran during the forward), not for the step's queued compute.
 
 ``MaskedSynchronizer`` is the base of both synchronisers: it lays the model's parameters out in
 that flat buffer, holds the ``MaskExchange`` as ``self.masks`` and lets the mask's state read as
@@ -20,7 +27,7 @@ the synchroniser's own (``sync.mask``, ``sync.k_at``).
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -38,10 +45,45 @@ _TIMERS = ("topk", "pack", "wait")
 
 
 class _PendingMask:
-    """An all-gather of mask parts in flight, and what is needed to decode it."""
+    """An all-gather of mask parts in flight, and what is needed to decode it (on CUDA: the mask
+    already decoded on the side stream, ``ready`` recorded after it, and its host view)."""
 
     def __init__(self, step: int, work, received: torch.Tensor, send: torch.Tensor, k: int) -> None:
         self.step, self.work, self.received, self.send, self.k = step, work, received, send, k
+        self.mask: Optional[torch.Tensor] = None
+        self.ready = None
+        self.view: Optional["_HostView"] = None
+
+
+class _HostView:
+    """The host's copy of what it needs of one mask: the positions of the edges (and the mask).
+
+    On CUDA both are copied into pinned memory behind an event when the mask is decoded; ``read``
+    waits for that event only. On the CPU the tensors are the host's already.
+    """
+
+    def __init__(self, mask: torch.Tensor, edges: Optional[torch.Tensor], with_mask: bool) -> None:
+        positions = torch.searchsorted(mask, edges) if edges is not None else None
+        self._positions, self._mask, self._event = positions, mask if with_mask else None, None
+        if mask.is_cuda:
+            if positions is not None:
+                self._positions = torch.empty(positions.shape, dtype=positions.dtype, pin_memory=True)
+                self._positions.copy_(positions, non_blocking=True)
+            if with_mask:
+                self._mask = torch.empty(mask.shape, dtype=mask.dtype, pin_memory=True)
+                self._mask.copy_(mask, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._read: Optional[Tuple[List[int], Optional[torch.Tensor]]] = None
+
+    def read(self) -> Tuple[List[int], Optional[torch.Tensor]]:
+        """(the edges' positions in the mask, the mask on the host or None); the one host read
+        of a mask, done on first use."""
+        if self._read is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._read = (self._positions.tolist() if self._positions is not None else [], self._mask)
+        return self._read
 
 
 class MaskExchange:
@@ -67,6 +109,11 @@ class MaskExchange:
         self.overlap: Optional[torch.Tensor] = None
         self._pending: Optional[_PendingMask] = None
         self._topk_scratch: Optional[torch.Tensor] = None  # the threshold method's work buffer
+        self._edges: Optional[torch.Tensor] = None  # flat offsets whose mask positions the host needs
+        self._edge_index: Dict[int, int] = {}
+        self.host_mask = False  # also keep a host copy of each mask (an offloaded residual)
+        self._view: Optional[_HostView] = None  # for the mask held
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     # --- schedule ----------------------------------------------------------------------------
     def is_dense(self, step: int) -> bool:
@@ -109,6 +156,36 @@ class MaskExchange:
                                             self.layout.partition_size, k, self.device)
         work = self.comm.all_gather_into_tensor(received, send, kind="scape_mask", async_op=async_op)
         self._pending = _PendingMask(step, work, received, send, k)
+        if self._side is not None:
+            self._decode_ahead(self._pending)
+
+    def _decode_ahead(self, pending: _PendingMask) -> None:
+        """CUDA: the side stream waits for the all-gather, decodes it and queues the host view;
+        the compute stream waits for it only where the mask is used (``wait``)."""
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side):
+            self._wait_work(pending)
+            with self.timers.time("pack"):
+                pending.mask = self._decode(pending)
+            pending.view = _HostView(pending.mask, self._edges, self.host_mask)
+            pending.ready = torch.cuda.Event()
+            pending.ready.record(self._side)
+
+    def _decode(self, pending: _PendingMask) -> torch.Tensor:
+        return transport.decode(self.transport_at(pending.step), pending.received, self.layout.num_partitions,
+                                self.layout.partition_size, pending.k)
+
+    def _wait_work(self, pending: _PendingMask) -> None:
+        if pending.work is None:
+            return
+        try:
+            pending.work.wait()  # NCCL: the current stream waits, not the host
+        except (RuntimeError, dist.DistError) as exc:
+            raise CollectiveError(
+                f"rank {self.layout.rank}: waiting for the {self.owner} mask all-gather of "
+                f"step {pending.step} ('scape_mask') failed: {exc}. A peer process "
+                f"probably died or hangs; resume with resume=auto.") from exc
+        pending.work = None
 
     def _select(self, k: int) -> torch.Tensor:
         """This rank's part of the next mask: a bool mask over its region, k per partition
@@ -138,25 +215,40 @@ class MaskExchange:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        with self.timers.time("wait"):
-            if pending.work is not None:
-                try:
-                    pending.work.wait()
-                except (RuntimeError, dist.DistError) as exc:
-                    raise CollectiveError(
-                        f"rank {self.layout.rank}: waiting for the {self.owner} mask all-gather of "
-                        f"step {pending.step} ('scape_mask') failed: {exc}. A peer process "
-                        f"probably died or hangs; resume with resume=auto.") from exc
-        with self.timers.time("pack"):
-            self.mask = transport.decode(self.transport_at(pending.step), pending.received,
-                                         self.layout.num_partitions, self.layout.partition_size,
-                                         pending.k)
+        if pending.ready is not None:  # decoded on the side stream (CUDA)
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(pending.ready)
+            pending.mask.record_stream(stream)
+            self.mask, self._view = pending.mask, pending.view
+        else:
+            with self.timers.time("wait"):
+                self._wait_work(pending)
+            with self.timers.time("pack"):
+                self.mask = self._decode(pending)
+            self._view = None
         self.step, self.k = pending.step, pending.k
+
+    def set_edges(self, edges: Sequence[int]) -> None:
+        """Flat offsets (e.g. bucket bounds) whose positions in every mask ``host_view`` gives."""
+        ordered = sorted(set(int(e) for e in edges))
+        self._edge_index = {e: i for i, e in enumerate(ordered)}
+        self._edges = torch.tensor(ordered, dtype=torch.int64, device=self.device)
+        self._view = None
+
+    def host_view(self) -> Tuple[Dict[int, int], Optional[torch.Tensor]]:
+        """For the mask held: {edge: number of mask entries below it} over the ``set_edges``
+        offsets, and the mask on the host when ``host_mask`` (else None). The step's one host
+        read of the mask (see the module doc); later calls for the same mask are free."""
+        if self._view is None:
+            self._view = _HostView(self.mask, self._edges, self.host_mask)
+        positions, mask = self._view.read()
+        return {edge: positions[i] for edge, i in self._edge_index.items()}, mask
 
     def hold(self, step: int, mask: torch.Tensor, k: int) -> None:
         """Hold a mask every rank computed alike (nothing to exchange): ascending, k per partition."""
         self.wait()
         self.mask, self.step, self.k = mask, step, k
+        self._view = None
 
     def mask_for(self, step: int) -> torch.Tensor:
         self.wait()
@@ -205,7 +297,7 @@ class MaskExchange:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """The mask of a synchroniser's ``state`` (none without a "mask" entry); ``wait`` first."""
-        self.mask, self.step, self.k = None, 0, 0
+        self.mask, self.step, self.k, self._view = None, 0, 0, None
         if "mask" in state:
             bitmap = state["mask"]["bitmap"].to(self.device)
             marks = kernels.unpack_bits(bitmap, torch.empty(bitmap.numel() * 8, dtype=torch.bool,

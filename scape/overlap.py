@@ -21,10 +21,14 @@ order in which backward finishes them, estimated from the parameters' registrati
 (backward runs it in reverse), as DDP does for its first iteration. A bucket finished early
 waits for the ones before it in that order; buckets whose parameters got no gradient are
 started when the last backward ends, before any other collective of the step.
+
+A bucket's slice of the payload is where the mask's ascending indices cross its bounds: host
+integers, read once per mask with the mask itself (``MaskExchange.host_view``: on CUDA a pinned
+copy behind an event, queued when the mask was decoded), so no hook waits for the device.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -45,14 +49,14 @@ class OverlappedValues:
     """Buckets over a flat buffer, and the packing and all-reduce of their payload slices.
 
     ``params`` and ``offsets`` are the flat buffer's parameters in flat order and their offsets;
-    ``registration`` the model's parameters in registration order; ``pack(indices, out)`` writes
-    a_i at ``indices`` into ``out`` (the synchroniser's contribution, computed without changing
-    any state).
+    ``registration`` the model's parameters in registration order; ``pack(first, last, out)``
+    writes a_i at the mask's entries [first, last) into ``out`` (the synchroniser's contribution,
+    computed without changing any state).
     """
 
     def __init__(self, params: List[torch.nn.Parameter], offsets: List[int], padded_numel: int,
                  registration: List[torch.nn.Parameter], comm: Collectives,
-                 pack: Callable[[torch.Tensor, torch.Tensor], None],
+                 pack: Callable[[int, int, torch.Tensor], None],
                  bucket_numel: int = BUCKET_NUMEL, rank: int = 0) -> None:
         self.comm, self.pack, self.rank = comm, pack, rank
         order = {id(p): i for i, p in enumerate(registration)}
@@ -72,19 +76,24 @@ class OverlappedValues:
                                            for p in bucket.params}
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self._armed = False
-        self._resolve_mask: Optional[Callable[[], torch.Tensor]] = None
+        self._resolve_mask: Optional[Callable[[], Tuple[torch.Tensor, Dict[int, int]]]] = None
         self._mask: Optional[torch.Tensor] = None
         self.values: Optional[torch.Tensor] = None
         self._next = 0  # position in launch_order of the next bucket to start
         self._works: List = []
         self.active = False  # a payload was (or is being) started this step and not yet consumed
 
+    def edges(self) -> List[int]:
+        """The flat offsets whose positions in the mask the buckets' slices need."""
+        return [b.lo for b in self.buckets] + [self.buckets[-1].hi]
+
     # --- one step ----------------------------------------------------------------------------
-    def arm(self, resolve_mask: Callable[[], torch.Tensor], value_dtype: torch.dtype,
-            device: torch.device) -> None:
+    def arm(self, resolve_mask: Callable[[], Tuple[torch.Tensor, Dict[int, int]]],
+            value_dtype: torch.dtype, device: torch.device) -> None:
         """The last micro-batch begins: start buckets as their gradients become final.
-        ``resolve_mask`` returns M_t (it may wait for the mask all-gather: called at the first
-        finished bucket, so that wait overlaps the forward and the first part of backward)."""
+        ``resolve_mask`` returns M_t and the positions of ``edges()`` in it (it may wait for the
+        mask all-gather: called at the first finished bucket, so that wait overlaps the forward
+        and the first part of backward)."""
         self._resolve_mask, self._dtype, self._device = resolve_mask, value_dtype, device
         self._mask, self.values, self._next, self._works = None, None, 0, []
         for bucket in self.buckets:
@@ -142,18 +151,16 @@ class OverlappedValues:
     def _ensure_mask(self) -> None:
         if self._mask is not None:
             return
-        mask = self._resolve_mask()
+        mask, positions = self._resolve_mask()
         self._mask = mask
         self.values = torch.empty(mask.numel(), dtype=self._dtype, device=self._device)
-        edges = torch.tensor([b.lo for b in self.buckets] + [self.buckets[-1].hi], device=mask.device)
-        positions = torch.searchsorted(mask, edges).tolist()  # once per step: bucket slices
-        for b, bucket in enumerate(self.buckets):
-            bucket.first, bucket.last = positions[b], positions[b + 1]
+        for bucket in self.buckets:
+            bucket.first, bucket.last = positions[bucket.lo], positions[bucket.hi]
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
         if bucket.last == bucket.first:  # no mask coordinate here (the same on every rank)
             return
         out = self.values[bucket.first:bucket.last]
-        self.pack(self._mask[bucket.first:bucket.last], out)
+        self.pack(bucket.first, bucket.last, out)
         self._works.append(self.comm.all_reduce(out, kind="scape_values", async_op=True))

@@ -1,13 +1,18 @@
 """This rank's residual e_i (error feedback), on the device or offloaded to CPU memory.
 
-Offloaded, the residual is streamed through two device chunk buffers: while chunk c is being
-updated on the compute stream, chunk c+1 is copied in and chunk c-1 copied out on a side stream
-(double buffering), so the PCIe/NVLink-C2C traffic overlaps the arithmetic. On a CPU run the same
-chunk loop runs without streams, which is what the tests exercise.
+Offloaded, the residual lives in host memory (pinned when CUDA is there) and is streamed through
+two device chunk buffers: while chunk c is being updated on the compute stream, chunk c+1 is
+copied in and chunk c-1 copied out on a side stream (double buffering), so the PCIe/NVLink-C2C
+traffic overlaps the arithmetic. A sparse step streams it once, in and out (the fold, the
+clearing of the sent coordinates and the post-step score in one pass); a read-only range (the
+score of this rank's own partitions after a dense step) is streamed in only, not back out; the
+masked values the all-reduce needs are gathered on the host once per step, from a host copy of
+the mask, and sent in one copy (``gather``). On a CPU run the same chunk loop runs without
+streams, which is what the tests exercise.
 """
 from __future__ import annotations
 
-from typing import Iterator, List, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 
@@ -20,37 +25,45 @@ class Residual:
         self.numel = numel
         self.device = device
         self.offload = offload
-        on_cuda = device.type == "cuda"
+        # pinned host memory only where a GPU copies from it (pinning needs CUDA)
+        self._pin = device.type == "cuda" and torch.cuda.is_available()
         if not offload:
             self.storage = torch.zeros(numel, dtype=torch.float32, device=device)
             return
-        self.storage = torch.zeros(numel, dtype=torch.float32, pin_memory=on_cuda)
+        self.storage = torch.zeros(numel, dtype=torch.float32, pin_memory=self._pin)
         self.chunk_numel = max(1, min(chunk_numel, numel))
         self.buffers = [torch.empty(self.chunk_numel, dtype=torch.float32, device=device)
                         for _ in range(2)]
-        self.copy_stream = torch.cuda.Stream(device) if on_cuda else None
+        self.copy_stream = torch.cuda.Stream(device) if self._pin else None
+        self._gathered: Optional[torch.Tensor] = None  # pinned staging of ``gather``
+        self._gathered_sent = None  # the event after its last copy to the device
 
-    def bounds(self) -> List[Tuple[int, int]]:
+    def bounds(self, lo: int = 0, hi: Optional[int] = None) -> List[Tuple[int, int]]:
+        """The chunks [start, stop) that cover [lo, hi) (the whole residual by default)."""
+        hi = self.numel if hi is None else hi
         if not self.offload:
-            return [(0, self.numel)]
-        return [(lo, min(lo + self.chunk_numel, self.numel))
-                for lo in range(0, self.numel, self.chunk_numel)]
+            return [(0, self.numel)] if lo == 0 and hi == self.numel else [(lo, hi)]
+        return [(start, min(start + self.chunk_numel, hi)) for start in range(lo, hi, self.chunk_numel)]
 
-    def chunks(self) -> Iterator[Tuple[int, int, torch.Tensor]]:
-        """Yield (lo, hi, device view of e[lo:hi]); edits to the view persist after the loop."""
+    def chunks(self, lo: int = 0, hi: Optional[int] = None,
+               write_back: bool = True) -> Iterator[Tuple[int, int, torch.Tensor]]:
+        """Yield (start, stop, device view of e[start:stop]) over [lo, hi); with ``write_back``
+        edits to the views persist after the loop (without it the views are to read)."""
         if not self.offload:
-            yield 0, self.numel, self.storage
+            hi = self.numel if hi is None else hi
+            yield lo, hi, self.storage if (lo, hi) == (0, self.numel) else self.storage[lo:hi]
         elif self.copy_stream is None:
-            for i, (lo, hi) in enumerate(self.bounds()):
-                buffer = self.buffers[i % 2][:hi - lo]
-                buffer.copy_(self.storage[lo:hi])
-                yield lo, hi, buffer
-                self.storage[lo:hi].copy_(buffer)
+            for i, (start, stop) in enumerate(self.bounds(lo, hi)):
+                buffer = self.buffers[i % 2][:stop - start]
+                buffer.copy_(self.storage[start:stop])
+                yield start, stop, buffer
+                if write_back:
+                    self.storage[start:stop].copy_(buffer)
         else:
-            yield from self._cuda_chunks()
+            yield from self._cuda_chunks(self.bounds(lo, hi), write_back)
 
-    def _cuda_chunks(self) -> Iterator[Tuple[int, int, torch.Tensor]]:
-        bounds = self.bounds()
+    def _cuda_chunks(self, bounds: List[Tuple[int, int]],
+                     write_back: bool) -> Iterator[Tuple[int, int, torch.Tensor]]:
         compute, copy = torch.cuda.current_stream(self.device), self.copy_stream
         loaded = [torch.cuda.Event(), torch.cuda.Event()]
         computed = [torch.cuda.Event(), torch.cuda.Event()]
@@ -58,7 +71,10 @@ class Residual:
         def load(i: int) -> None:
             lo, hi = bounds[i]
             with torch.cuda.stream(copy):
-                # copy-stream order puts this after chunk i-2's copy-out from the same buffer
+                # a buffer is reloaded only after the compute stream is done with it (and, in
+                # copy-stream order, after its copy-out)
+                if i >= 2:
+                    copy.wait_event(computed[i % 2])
                 self.buffers[i % 2][:hi - lo].copy_(self.storage[lo:hi], non_blocking=True)
                 loaded[i % 2].record(copy)
 
@@ -70,17 +86,35 @@ class Residual:
             buffer = self.buffers[i % 2][:hi - lo]
             yield lo, hi, buffer
             computed[i % 2].record(compute)
-            with torch.cuda.stream(copy):
-                copy.wait_event(computed[i % 2])
-                self.storage[lo:hi].copy_(buffer, non_blocking=True)
+            if write_back:
+                with torch.cuda.stream(copy):
+                    copy.wait_event(computed[i % 2])
+                    self.storage[lo:hi].copy_(buffer, non_blocking=True)
         compute.wait_stream(copy)
 
-    def gather(self, indices: torch.Tensor) -> torch.Tensor:
-        """A device copy of e[indices] (flat indices on the device), the residual unchanged."""
+    def gather(self, indices: torch.Tensor, host_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A device copy of e[indices] (flat indices on the device), the residual unchanged.
+
+        Offloaded, ``host_indices`` (the same indices in host memory, e.g. the mask's host copy)
+        saves a device-to-host copy: the host waits once for the pending copies out, gathers
+        into a pinned buffer and sends it in one non-blocking copy.
+        """
         if not self.offload:
             return self.storage.index_select(0, indices)
+        host = host_indices if host_indices is not None else indices.cpu()
         self.synchronize()
-        return self.storage.index_select(0, indices.cpu()).to(self.device, non_blocking=True)
+        if not self._pin:
+            return self.storage.index_select(0, host).to(self.device)
+        if self._gathered_sent is not None:
+            self._gathered_sent.synchronize()  # the last step's copy out of the staging buffer
+        if self._gathered is None or self._gathered.numel() < host.numel():
+            self._gathered = torch.empty(host.numel(), dtype=torch.float32, pin_memory=True)
+        staged = self._gathered[:host.numel()]
+        torch.index_select(self.storage, 0, host, out=staged)
+        values = staged.to(self.device, non_blocking=True)
+        self._gathered_sent = torch.cuda.Event()
+        self._gathered_sent.record()
+        return values
 
     def synchronize(self) -> None:
         """Make host-side reads of ``storage`` safe (pending copies out have landed)."""

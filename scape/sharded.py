@@ -157,8 +157,20 @@ class ShardedScapeSynchronizer(ScapeSynchronizer):
 
     # --- the update --------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, lr: float) -> None:
+    def step(self, lr: float, skip: Optional[torch.Tensor] = None) -> None:
+        """The owner's update and the parameters' all-gather; ``skip`` as in replicated SCAPE
+        (read once; every rank reads the same flag, so all skip the collectives alike)."""
         step = self.step_count + 1
+        self._skipped = self._skips(skip)
+        if self._skipped:
+            if self._folded:
+                self._rollback()
+            self._ghat = self._sent_local = self._residual_at_mask = None
+            self._folded = False
+            return
+        pre_send = self.cfg.score_timing == "pre_send"
+        if not self._dense and not self._folded and pre_send:
+            self._fold_sent(score=True)
         if self._dense:
             self.optimizer.dense_update(self._ghat, lr, step)
             send = self.optimizer.param.clone()  # the all-gather's output holds the input's storage
@@ -171,8 +183,11 @@ class ShardedScapeSynchronizer(ScapeSynchronizer):
             received = torch.empty(self.mask.numel(), dtype=send.dtype, device=self.device)
             self.comm.all_gather_into_tensor(received, send, kind="scape_params")
             self.flat.data.index_copy_(0, self.mask, received)
+            if not self._folded and not pre_send:  # the post-step score reads the updated shard
+                self._fold_sent(score=self.cfg.lag)
         self.step_count = step
-        self._ghat = self._sent_local = None
+        self._ghat = self._sent_local = self._residual_at_mask = None
+        self._folded = False
 
     def _decay_outside_shard(self, lr: float) -> None:
         """The lazy rule's decay of every matrix coordinate, on the part of the model the owner

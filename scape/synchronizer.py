@@ -1,17 +1,28 @@
 """SCAPE: the gradient synchroniser and optimizer of docs/specs/SCAPE.md, one object.
 
-Per step the loop calls reduce_gradients -> clip_gradients -> step -> after_step:
+Per step the loop calls reduce_gradients -> clip_gradients -> step(lr, skip) -> after_step:
 
 - reduce_gradients: wait for the mask M_t (all-gathered during the previous step's forward and
-  backward), fold the local gradient into the residual (a = e + (1 - b1) g), score this rank's
-  partitions for the next mask, gather a[M_t] and clear it from the residual, and run THE one
-  all-reduce of the masked values (fp32 or bf16). Dense steps all-reduce the gradient instead.
-  With ``overlap_backward`` (scape/overlap.py) that all-reduce was already started, bucket by
-  bucket, during the last micro-batch's backward; here it is waited for.
-- clip_gradients: norm and clipping of ghat, which is replicated, so no collective.
-- step: the update (lazy on the mask by default) with decoupled weight decay everywhere.
+  backward), gather this rank's contribution a[M_t] = e[M_t] + (1 - b1) g[M_t] without changing
+  the residual, and run THE one all-reduce of the masked values (fp32 or bf16). Dense steps
+  all-reduce the gradient instead. With ``overlap_backward`` (scape/overlap.py) that all-reduce
+  was already started, bucket by bucket, during the last micro-batch's backward; here it is
+  waited for.
+- clip_gradients: norm and clipping of ghat, which is replicated, so no collective; the norm
+  stays on the device.
+- step: ``skip`` (non-finite loss or norm, a device flag alike on every rank) is read here, the
+  step's one host read: a skipped step changes nothing (the residual was not touched yet), so
+  the retry uses the same mask; SCAPE's step count, schedule and bias correction are host
+  numbers, as dense AdamS's are. Otherwise one pass over the residual folds the gradient in
+  (a = e + (1 - b1) g), clears the sent coordinates and writes the score of this rank's
+  partitions, and the update (lazy on the mask by default) runs with decoupled weight decay
+  everywhere (the post-step score reads the updated momentum: the update runs first).
 - after_step: top-k (``topk_method``) of this rank's partitions -> M_{t+1}, packed and all-gathered
   asynchronously; the wait happens in the next reduce_gradients.
+
+Where the host must know how the mask falls on the flat buffer (the bucket slices of the
+overlapped all-reduce, an offloaded residual's chunks), it reads that once per mask
+(``MaskExchange.host_view``), at the first bucket or the reduction, never per bucket.
 
 Replicated state (parameters, momentum, mask, step, staleness) is identical on all ranks by
 construction: every rank applies the same ghat to it. The residual is the only per-rank state.
@@ -77,16 +88,25 @@ class ScapeSynchronizer(MaskedSynchronizer):
         self._ghat: Optional[torch.Tensor] = None  # ghat on the mask (or dense), after clipping
         self._sent_local: Optional[torch.Tensor] = None  # this rank's payload, for a rollback
         self._dense = True
+        self._folded = False  # this step's gradient is in the residual already (lag=false)
+        self._skipped = False  # step() skipped: after_step leaves the mask for the retry
+        self._scored = False  # step() wrote the post-step score in its residual pass
+        self._residual_at_mask: Optional[torch.Tensor] = None  # e[M_t], gathered once a step
         self.backward_overlap: Optional[OverlappedValues] = None
+        edges = [lo for lo, _ in self.residual.bounds()] + [self.layout.padded_numel]
         if cfg.overlap_backward and cfg.lag:
             self.backward_overlap = OverlappedValues(
                 self.flat.params, self.flat.offsets, self.layout.padded_numel, self.params,
                 self.comm, self._pack_contribution, overlap_bucket_numel, self.rank)
+            edges += self.backward_overlap.edges()
+        self.masks.set_edges(edges)
+        self.masks.host_mask = self.residual.offload
 
     # --- the loop's calls --------------------------------------------------------------------
     def zero_grad(self) -> None:
         if self.backward_overlap is not None and self.backward_overlap.active:
             self.backward_overlap.wait()  # a skipped step: its payload is dropped, no state changed
+        self._residual_at_mask = None
         self.flat.zero_grad()
 
     def micro_batch_context(self, last: bool) -> ContextManager:
@@ -99,7 +119,7 @@ class ScapeSynchronizer(MaskedSynchronizer):
     def _overlapped_backward(self, step: int):
         self.masks.start_step()  # the mask wait is timed in here now
         overlap = self.backward_overlap
-        overlap.arm(lambda: self.masks.mask_for(step), self.value_dtype, self.device)
+        overlap.arm(lambda: self._mask_and_positions(step), self.value_dtype, self.device)
         try:
             yield
         except BaseException:
@@ -108,13 +128,21 @@ class ScapeSynchronizer(MaskedSynchronizer):
         with torch.no_grad():
             overlap.finish_backward()
 
+    def _mask_and_positions(self, step: int):
+        """M_t and {flat offset: mask entries below it} for the registered edges (one host read)."""
+        mask = self.masks.mask_for(step)
+        return mask, self.masks.host_view()[0]
+
     @torch.no_grad()
-    def _pack_contribution(self, indices: torch.Tensor, out: torch.Tensor) -> None:
-        """out = a[indices] = e[indices] + (1 - b1) g[indices] (cast to the payload's dtype) with
-        the same arithmetic as the residual fold, and without changing the residual."""
-        values = self.residual.gather(indices)
-        values.add_(self.flat.grad.index_select(0, indices), alpha=1.0 - self.beta1)
-        out.copy_(values)
+    def _pack_contribution(self, first: int, last: int, out: torch.Tensor) -> None:
+        """out = a[M_t[first:last]] = e + (1 - b1) g there (cast to the payload's dtype), with the
+        same arithmetic as the residual fold, and without changing the residual."""
+        if self._residual_at_mask is None:  # an offloaded residual is gathered on the host, once
+            host_mask = self.masks.host_view()[1] if self.residual.offload else None
+            self._residual_at_mask = self.residual.gather(self.masks.mask, host_mask)
+        indices = self.masks.mask[first:last]
+        out.copy_(torch.add(self._residual_at_mask[first:last], self.flat.grad.index_select(0, indices),
+                            alpha=1.0 - self.beta1))
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
@@ -131,44 +159,63 @@ class ScapeSynchronizer(MaskedSynchronizer):
             self._ghat = self._reduce_dense(grad)
             return
         k = self.k_at(step)
+        self._folded = False
         if overlapped:  # the payload was packed and its all-reduce started during backward
-            mask = self.masks.mask_for(step)
+            self.masks.mask_for(step)
             summed = self.backward_overlap.wait()
-            self._sent_local = torch.empty_like(summed)  # the same payload, from the fold itself
-            self._contribute(grad, accumulate=True, score=pre_send, mask=mask, values=self._sent_local)
             self._ghat = summed.float().div_(self.world * (1.0 - self.beta1))
             return
         if self.cfg.lag:
             mask = self.masks.mask_for(step)
             values = torch.empty(mask.numel(), dtype=self.value_dtype, device=self.device)
-            self._contribute(grad, accumulate=True, score=pre_send, mask=mask, values=values)
-        else:  # ablation: this step's own mask, exchanged on the critical path
-            self._contribute(grad, accumulate=True, score=True, mask=None, values=None)
-            self.masks.exchange(step, k, async_op=False)
-            mask = self.masks.mask_for(step)
-            values = torch.empty(mask.numel(), dtype=self.value_dtype, device=self.device)
-            self._contribute(grad, accumulate=False, score=False, mask=mask, values=values)
+            self._pack_contribution(0, mask.numel(), values)
+            self._ghat = self._reduce_values(values)
+            return
+        # ablation: this step's own mask, exchanged on the critical path (folded here, rolled
+        # back on a skip, with host reads: not the default path)
+        self._folded = True
+        self._contribute(grad, accumulate=True, score=True, mask=None, values=None)
+        self.masks.exchange(step, k, async_op=False)
+        mask = self.masks.mask_for(step)
+        values = torch.empty(mask.numel(), dtype=self.value_dtype, device=self.device)
+        self._contribute(grad, accumulate=False, score=False, mask=mask, values=values)
         self._sent_local = values.clone()
         self._ghat = self._reduce_values(values)
 
     @torch.no_grad()
-    def clip_gradients(self, max_norm: float) -> float:
-        """Pre-clip L2 norm of ghat; replicated on every rank, so no collective is needed (sharded
-        SCAPE, whose ranks each hold their owned part of ghat, sums it in ``_ghat_norm``)."""
+    def clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """Pre-clip L2 norm of ghat, on the device; replicated on every rank, so no collective is
+        needed (sharded SCAPE, whose ranks each hold their owned part of ghat, sums it in
+        ``_ghat_norm``)."""
         norm = self._ghat_norm()
-        factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0 else None
-        if factor is not None:
-            self._ghat.mul_(factor)
-        value = float(norm)
-        if not math.isfinite(value) and not self._dense:
-            self._rollback()  # the loop skips this step: put the contribution back
-        elif self.cfg.lossless_clip and factor is not None and not self._dense and float(factor) < 1.0:
-            self._return_clipped(1.0 - float(factor))
-        return value
+        if max_norm > 0:
+            self._ghat.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        if self._folded and not self._dense and not math.isfinite(float(norm)):
+            self._rollback()  # lag=false folded already: put the contribution back
+            self._folded = False
+        return norm
+
+    # the loop passes the skip decision to step() and always calls after_step()
+    takes_skip_flag = True
+
+    def _skips(self, skip: Optional[torch.Tensor]) -> bool:
+        """The step's one host read: whether to skip (see the module doc); False without a flag
+        (SDP's loop skips step() itself)."""
+        return skip is not None and bool(skip)
 
     @torch.no_grad()
-    def step(self, lr: float) -> None:
+    def step(self, lr: float, skip: Optional[torch.Tensor] = None) -> None:
         step = self.step_count + 1
+        self._skipped = self._skips(skip)
+        if self._skipped:  # nothing was changed but the lag=false ablation's residual
+            if self._folded:
+                self._rollback()
+            self._ghat = self._sent_local = self._residual_at_mask = None
+            self._folded = False
+            return
+        pre_send = self.cfg.score_timing == "pre_send"
+        if not self._dense and not self._folded and pre_send:
+            self._fold_sent(score=True)  # the pre-send score reads the momentum before the update
         if self._dense:
             self.optimizer.dense_update(self._ghat, lr, step)
         elif self.cfg.update == "lazy":
@@ -177,17 +224,33 @@ class ScapeSynchronizer(MaskedSynchronizer):
             full = torch.zeros_like(self.flat.data)
             kernels.scatter(full, self.mask, self._ghat)
             self.optimizer.dense_update(full, lr, step, all_sent=False)
+        if not self._dense and not self._folded and not pre_send:
+            self._fold_sent(score=self.cfg.lag and not self.is_dense(step + 1))
         self.step_count = step
-        self._ghat = self._sent_local = None
+        self._ghat = self._sent_local = self._residual_at_mask = None
+        self._folded = False
+
+    def _fold_sent(self, score: bool) -> None:
+        """The residual pass of a sparse step: e += (1 - b1) g, e[M_t] = what was not sent
+        (zero, or a bf16 payload's rounding error), and the score of the owned partitions:
+        pre-send |b1 m + a| before the clearing, post-step |b1 m_t + e| after it."""
+        self._contribute(self.flat.grad, accumulate=True, score=score, mask=self.mask,
+                         values=torch.empty(self.mask.numel(), dtype=self.value_dtype, device=self.device),
+                         score_after_clear=self.cfg.score_timing != "pre_send")
+        self._scored = score
 
     @torch.no_grad()
     def after_step(self) -> None:
+        if self._skipped:  # the retry uses the mask held
+            self._skipped = False
+            return
         following = self.step_count + 1
         self.masks.overlap = None
         if self.cfg.lag and not self.is_dense(following):
-            if self.cfg.score_timing == "post_step":
+            if self.cfg.score_timing == "post_step" and not self._scored:
                 self._score_residual()
             self.masks.exchange(following, self.k_at(following), async_op=True)
+        self._scored = False
 
     # --- the pieces (scape/sharded.py overrides the first five: its state covers one shard) --
     def _table_ranges(self, model: torch.nn.Module) -> list:
@@ -246,49 +309,42 @@ class ScapeSynchronizer(MaskedSynchronizer):
     def _score_residual(self) -> None:
         """Post-step score |b1 m_t + e| (or |e|): the updated momentum and the residual with this
         step's mask already cleared, so the coordinates just sent do not score on mass they no
-        longer hold."""
+        longer hold. Reads the owned region only (offloaded: streamed in, not back out)."""
         own_lo, own_hi = self.layout.owned_start, self.layout.owned_start + self.layout.owned_numel
-        for lo, hi, residual in self.residual.chunks():
-            if lo < own_hi and hi > own_lo:
-                self._write_score(lo, hi, residual)
+        for lo, hi, residual in self.residual.chunks(own_lo, own_hi, write_back=False):
+            self._write_score(lo, hi, residual)
 
-    def _return_clipped(self, fraction: float) -> None:
-        """Lossless clipping: ``fraction`` of what this rank sent goes back into its residual, so
-        the part of ghat that clipping removed is delayed, not dropped (sent + residual is still
-        the whole contribution)."""
-        self._add_at_mask(self._sent_local.float().mul_(fraction))
-
-    def _add_at_mask(self, values: torch.Tensor) -> None:
-        """e[M_t] += values (``values`` in mask order)."""
-        for lo, _, residual, first, last in self._mask_chunks():
-            residual.index_add_(0, self.mask[first:last] - lo, values[first:last])
+    def _chunk_slices(self) -> List[tuple]:
+        """[first, last) of M_t in each residual chunk: positions the host read once per mask."""
+        bounds = self.residual.bounds()
+        if len(bounds) == 1:
+            return [(0, self.mask.numel())]
+        positions = self.masks.host_view()[0]
+        return [(positions[lo], positions[hi]) for lo, hi in bounds]
 
     def _mask_chunks(self):
         """Each residual chunk (lo, hi, view) with the slice [first, last) of M_t that falls in it."""
-        bounds = self.residual.bounds()
-        edges = torch.tensor([lo for lo, _ in bounds] + [bounds[-1][1]], device=self.mask.device)
-        positions = torch.searchsorted(self.mask, edges).tolist()
+        slices = self._chunk_slices()
         for chunk, (lo, hi, residual) in enumerate(self.residual.chunks()):
-            yield lo, hi, residual, positions[chunk], positions[chunk + 1]
+            yield lo, hi, residual, slices[chunk][0], slices[chunk][1]
 
     def _contribute(self, grad: torch.Tensor, accumulate: bool, score: bool,
-                    mask: Optional[torch.Tensor], values: Optional[torch.Tensor]) -> None:
-        """One pass over the residual: e += (1 - b1) g, score, values = e[mask], e[mask] = 0."""
-        bounds = self.residual.bounds()
-        positions: List[int] = []
-        if mask is not None and len(bounds) > 1:
-            edges = torch.tensor([lo for lo, _ in bounds] + [bounds[-1][1]], device=mask.device)
-            positions = torch.searchsorted(mask, edges).tolist()
+                    mask: Optional[torch.Tensor], values: Optional[torch.Tensor],
+                    score_after_clear: bool = False) -> None:
+        """One pass over the residual: e += (1 - b1) g, score, values = e[mask], e[mask] = 0
+        (``score_after_clear``: the score last)."""
+        slices = self._chunk_slices() if mask is not None else []
         for chunk, (lo, hi, residual) in enumerate(self.residual.chunks()):
             if accumulate:
                 residual.add_(grad[lo:hi], alpha=1.0 - self.beta1)
-            if score:
+            if score and not score_after_clear:
                 self._write_score(lo, hi, residual)
             if mask is not None:
-                first, last = (positions[chunk], positions[chunk + 1]) if positions \
-                    else (0, mask.numel())
+                first, last = slices[chunk]
                 local = mask[first:last] - lo if lo else mask[first:last]
                 kernels.gather_and_clear(residual, local, values[first:last])
+            if score and score_after_clear:
+                self._write_score(lo, hi, residual)
 
     def _rollback(self) -> None:
         """Undo this step's residual change (a skipped, non-finite step); non-finite entries -> 0."""

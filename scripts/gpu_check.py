@@ -358,29 +358,37 @@ def _repo_frame(exc: BaseException) -> str:
     return f"{os.path.relpath(frame.filename, REPO)}:{frame.lineno} {frame.name}: {frame.line}"
 
 
+def _audited_step(runner: StepRunner, batches) -> Tuple[Any, Optional[str]]:
+    """One step under set_sync_debug_mode("error"): (its result, None) or (None, where it waited)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return runner.step(batches), None
+    except RuntimeError as exc:
+        return None, _repo_frame(exc)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def part_sync_audit(ctx: Context, checks: Checks) -> None:
     for experiment in ("tiny_scape99", "tiny_sma99"):
         runner = StepRunner(ctx, [f"+experiment={experiment}", *_sparse_from_step_two()], accum=2)
         batches = runner.batches()
         for _ in range(3):  # the dense first step, then sparse ones with a lagged mask
             runner.step(batches).read()
-        if ctx.device.type != "cuda":
-            runner.step(batches).read()
-            checks.skip(f"{experiment}: step 4 under set_sync_debug_mode('error')", "no CUDA: nothing to audit")
-            continue
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            result, where = runner.step(batches), None
-        except RuntimeError as exc:
-            result, where = None, _repo_frame(exc)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        checks.expect(f"{experiment}: step 4 waits for the GPU nowhere (set_sync_debug_mode('error'))",
-                      where is None, first_host_wait=where)
+        label = f"{experiment}: step 4"
+        if ctx.device.type == "cuda":
+            result, where = _audited_step(runner, batches)
+            checks.expect(f"{label} waits for the GPU nowhere (set_sync_debug_mode('error'))", where is None,
+                          first_host_wait=where)
+        else:
+            result = runner.step(batches)
+            checks.skip(f"{label} under set_sync_debug_mode('error')", "no CUDA: nothing to audit")
         if result is not None:
-            checks.expect(f"{experiment}: the audited step's loss is finite", math.isfinite(result.loss),
-                          loss=result.loss)
+            metrics = runner.sync.metrics()
+            checks.expect(f"{label} is a sparse step with a finite loss",
+                          metrics.get("scape/dense_step") == 0.0 and math.isfinite(result.loss),
+                          loss=result.loss, density=metrics.get("scape/density"))
 
 
 def part_offload(ctx: Context, checks: Checks) -> None:

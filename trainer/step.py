@@ -19,12 +19,13 @@ which waits for this step's end only; the Trainer reads a step's result one step
 GPU is already busy with the next one), and at once only on log steps.
 
 Every rank decides alike whether to skip a non-finite step, from the all-reduced control flag and
-the replicated gradient norm. The dense arms take that decision as a device tensor
-(``sync.takes_skip_flag``): the loop runs the reduction and the clip and passes the flag to
-``sync.step``, which with torch's fused AdamW skips on the device (no host read at all) and with
-AdamS reads it once (AdamS's bias correction needs its step count on the host). SCAPE and SDP
-keep bookkeeping that a skipped step must not touch (SCAPE's residual), so for them the loop reads
-the control flags after the control all-reduce and skips the reduction and the update itself.
+the replicated gradient norm. The dense arms, ZeRO-1, SCAPE and sharded SCAPE take that decision
+as a device tensor (``sync.takes_skip_flag``): the loop runs the reduction and the clip and passes
+the flag to ``sync.step``, which with torch's fused AdamW skips on the device (no host read at
+all) and with AdamS or SCAPE reads it once (their bias correction and schedule need the step count
+on the host; SCAPE leaves its residual untouched until then, so a skipped step changes nothing).
+SDP keeps bookkeeping that a skipped step must not touch, so for it the loop reads the control
+flags after the control all-reduce and skips the reduction and the update itself.
 """
 from __future__ import annotations
 

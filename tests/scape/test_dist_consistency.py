@@ -41,25 +41,32 @@ def _replicas_conservation_k(rank: int, world: int) -> None:
             if sync._dense:
                 seen["sent"] += total
                 return
-            sent = seen["residual"] + contribution - sync.residual.cpu_copy()
-            off_mask = torch.ones(layout.padded_numel, dtype=torch.bool)
-            off_mask[sync.mask] = False
-            # only the mask leaves (off the mask: e + c g - (e + c g), up to the rounding of c g)
-            assert sent[off_mask].abs().max() <= 1e-7, overrides
-            if overrides.get("value_dtype", "fp32") == "fp32":
-                assert torch.count_nonzero(sync.residual.cpu_copy()[sync.mask]) == 0
-            dist.all_reduce(sent)
-            seen["sent"] += sent
-            # the all-reduced payload is exactly what the ranks took out of their residuals
-            tol = 2e-2 if overrides.get("value_dtype") == "bf16" else 1e-6
-            torch.testing.assert_close(sync._ghat, sent[sync.mask] / (world * c), rtol=tol,
-                                       atol=tol * 1e-2, msg=str(overrides))
+            seen["ghat"], seen["mask"] = sync._ghat.clone(), sync.mask.clone()
             # exactly k values per partition
             per_partition = torch.bincount(sync.mask // layout.partition_size,
                                            minlength=layout.num_partitions)
             assert per_partition.tolist() == [sync.k_at(step)] * layout.num_partitions
 
+        def check_sent(step):  # after the step: its residual pass folds and clears
+            mask = seen.pop("mask")
+            contribution = c * seen["grad"]
+            sent = seen["residual"] + contribution - sync.residual.cpu_copy()
+            off_mask = torch.ones(layout.padded_numel, dtype=torch.bool)
+            off_mask[mask] = False
+            # only the mask leaves (off the mask: e + c g - (e + c g), up to the rounding of c g)
+            assert sent[off_mask].abs().max() <= 1e-7, overrides
+            if overrides.get("value_dtype", "fp32") == "fp32":
+                assert torch.count_nonzero(sync.residual.cpu_copy()[mask]) == 0
+            dist.all_reduce(sent)
+            seen["sent"] += sent
+            # the all-reduced payload is exactly what the ranks took out of their residuals
+            tol = 2e-2 if overrides.get("value_dtype") == "bf16" else 1e-6
+            torch.testing.assert_close(seen.pop("ghat"), sent[mask] / (world * c), rtol=tol,
+                                       atol=tol * 1e-2, msg=str(overrides))
+
         def check_replicas(step):
+            if "mask" in seen:
+                check_sent(step)
             for name, tensor in (("params", sync.flat.data), ("momentum", sync.optimizer.momentum)):
                 first, second = _gathered(tensor, world)
                 assert torch.equal(first, second), f"{name} differ at step {step}: {overrides}"
