@@ -493,6 +493,10 @@ def markdown_table(results: Dict[str, dict], targets: List[dict], settings: dict
 
 
 # --- the fair protocol: every arm at its own best learning rate, several seeds --------------------
+# The evaluation corpora (scripts/build_eval_corpora.py): no default was chosen on them.
+EVAL_CORPORA_DIR = Path.home() / ".cache" / "scape-sdp" / "eval_corpora"
+EVAL_CORPORA = ("manpages", "perl-stdlib")
+
 PRESETS = {
     "fair": {"arms": "adams,scape90,scape99,sma99t",
              "lrs": "1e-3,2e-3,3e-3,6e-3", "seeds": "1337,1"},
@@ -500,6 +504,10 @@ PRESETS = {
     # averaging as it ships (SCAPE-99's bytes) and at density 1 with its 2-bit codes (a 90% method)
     "fair_table": {"arms": "adams+elr16,sma99t+elr16,sma99t+sp0+minsp0+lrpow0+elr16",
                    "lrs": "1e-3,2e-3,3e-3,4e-3", "seeds": "1337,1"},
+    # the methods as the tiny experiments ship them (each table at 16 lr), on each evaluation
+    # corpus in turn (one study each, NAME_<corpus>); the grid holds every shipped lr (2e-3, 3e-3)
+    "evaluation": {"arms": "adams+elr16,scape90+elr16,scape99+elr16,sma99t+elr16",
+                   "lrs": "1e-3,2e-3,3e-3", "seeds": "1337,1", "corpora": EVAL_CORPORA},
 }
 
 
@@ -686,7 +694,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rerun", action="store_true", help="train arms again even if a completed run matches")
     parser.add_argument("--report-only", action="store_true", help="only rebuild table, JSON and plots")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="fair: the issue's protocol (arms, lrs, seeds); fair_table: "
-                        "the same with the embedding table at 16 lr")
+                        "the same with the embedding table at 16 lr; evaluation: the shipped methods on "
+                        "each evaluation corpus (scripts/build_eval_corpora.py) unless --corpus is given")
     parser.add_argument("--lrs", default="", help="comma-separated learning rates: sweep each arm over them "
                         "(the fair protocol); empty = every arm at lr 3e-3")
     parser.add_argument("--seeds", default="", help="comma-separated seeds for a sweep (default: --seed)")
@@ -727,10 +736,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _without_name(argv: Sequence[str]) -> Tuple[List[str], Optional[str]]:
+    """argv without its --name (NAME or --name=NAME), and that name."""
+    rest, name, it = [], None, iter(argv)
+    for item in it:
+        if item == "--name":
+            name = next(it, None)
+        elif item.startswith("--name="):
+            name = item.split("=", 1)[1]
+        else:
+            rest.append(item)
+    return rest, name
+
+
+def evaluation_main(argv: Sequence[str]) -> int:
+    """``--preset evaluation`` without ``--corpus``: the study on every evaluation corpus in turn,
+    each its own study named NAME_<corpus> (NAME: --name, else "evaluation")."""
+    missing = [c for c in EVAL_CORPORA if not (EVAL_CORPORA_DIR / f"{c}.jsonl").is_file()]
+    if missing:
+        raise SystemExit(f"--preset evaluation: {', '.join(missing)} not found in {EVAL_CORPORA_DIR}; build them "
+                         f"with `python scripts/build_eval_corpora.py --install`, or pass --corpus FILE")
+    rest, name = _without_name(argv)
+    return max(main([*rest, "--corpus", str(EVAL_CORPORA_DIR / f"{c}.jsonl"), "--name", f"{name or 'evaluation'}_{c}"])
+               for c in EVAL_CORPORA)
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.preset == "evaluation" and not any(a == "--corpus" or a.startswith("--corpus=") for a in argv):
+        return evaluation_main(argv)
     study_runs = args.runs_dir / args.name
-    invocation = shlex.join(["python", "scripts/study_quality.py", *(sys.argv[1:] if argv is None else argv)])
+    invocation = shlex.join(["python", "scripts/study_quality.py", *argv])
     if args.sweep:
         return sweep_main(args, study_runs, invocation)
     machine_start = machine_info()

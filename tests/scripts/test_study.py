@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -156,6 +157,26 @@ def test_presets_set_arms_lrs_and_seeds_and_every_arm_composes():
     overrides = dict(i.split("=", 1) for i in study.compose_arm("sma99t+elr16").overrides)
     assert overrides == {"optimizer": "sparse_avg",
                          "optimizer.param_groups": "[{match:embedding,step_bound:4.47,denominator_beta:0.2,lr_scale:16}]"}
+
+
+def test_the_evaluation_preset_runs_one_study_per_evaluation_corpus(tmp_path, monkeypatch):
+    monkeypatch.setattr(study, "EVAL_CORPORA_DIR", tmp_path)
+    with pytest.raises(SystemExit, match="build_eval_corpora.py --install"):
+        study.main(["--preset", "evaluation"])  # no corpora built: named, with the command that builds them
+    for corpus in study.EVAL_CORPORA:
+        (tmp_path / f"{corpus}.jsonl").write_text('{"text": "x"}\n')
+    ran = []
+    monkeypatch.setattr(study, "sweep_main", lambda args, runs, invocation: ran.append(
+        (args.corpus, args.name, args.arm_names, args.lrs, args.seeds, invocation)) or 0)
+    assert study.main(["--preset", "evaluation", "--name", "ev", "--steps", "7"]) == 0
+    assert [(Path(c).name, n) for c, n, *_ in ran] == [(f"{c}.jsonl", f"ev_{c}") for c in study.EVAL_CORPORA]
+    for _, name, arms, lrs, seeds, invocation in ran:
+        assert arms == ["adams+elr16", "scape90+elr16", "scape99+elr16", "sma99t+elr16"]
+        assert {2e-3, 3e-3} <= set(lrs) and seeds == [1337, 1]  # the shipped lrs, two seeds
+        assert f"--name {name}" in invocation and "--steps 7" in invocation
+    ran.clear()
+    study.main(["--preset", "evaluation", "--corpus", str(tmp_path / "manpages.jsonl")])
+    assert len(ran) == 1 and ran[0][1] == "quality"  # --corpus given: that corpus only
 
 
 def test_gaps_are_to_adams_or_else_to_the_first_adams_arm_with_parts():
