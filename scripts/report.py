@@ -11,6 +11,7 @@ one that is missing stops the report with its path.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import sys
@@ -28,17 +29,58 @@ class MissingArtifact(Exception):
     """A required artifact is not under docs/results."""
 
 
+def bundles() -> Dict[str, str]:
+    """Each artifact kept inside a bundle -> the bundle's file name. A bundle holds the JSON files a
+    study wrote in pieces (one invocation per lr or seed), each verbatim under its own name, so
+    docs/results stays a short list (``--bundle``)."""
+    return _bundles(RESULTS)
+
+
+@functools.lru_cache(maxsize=None)
+def _bundles(results: Path) -> Dict[str, str]:
+    found = {}
+    for path in sorted(results.glob("*.json")):
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and isinstance(data.get("pieces"), dict):
+            found.update({piece: path.name for piece in data["pieces"]})
+    return found
+
+
+def artifact_names() -> List[str]:
+    """Every artifact a table can read: the files under docs/results and the pieces of its bundles."""
+    return sorted({p.name for p in RESULTS.iterdir() if p.is_file()} | set(bundles()))
+
+
 def load(name: str, optional: bool = False) -> Optional[dict]:
     path = RESULTS / name
-    if not path.is_file():
-        if optional:
-            return None
-        raise MissingArtifact(f"docs/results/{name} is missing: restore it from git or rerun its command")
-    return json.loads(path.read_text())
+    if path.is_file():
+        return json.loads(path.read_text())
+    bundle = bundles().get(name)
+    if bundle is not None:
+        return json.loads((RESULTS / bundle).read_text())["pieces"][name]
+    if optional:
+        return None
+    raise MissingArtifact(f"docs/results/{name} is missing: restore it from git or rerun its command")
 
 
 def link(name: str) -> str:
-    return f"[{name}](results/{name})"
+    bundle = None if (RESULTS / name).is_file() else bundles().get(name)
+    return f"[{name}](results/{name})" if bundle is None else f"{name} in [{bundle}](results/{bundle})"
+
+
+def bundle(target: str, names: Sequence[str]) -> None:
+    """Move the artifacts ``names`` (files under docs/results) into the bundle ``target``, each
+    verbatim under its own name; the bundle is written before any piece is removed."""
+    path = RESULTS / target
+    data = json.loads(path.read_text()) if path.is_file() else {"bundle": target, "pieces": {}}
+    for name in names:
+        data["pieces"][name] = json.loads((RESULTS / name).read_text())
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(data, indent=1) + "\n")
+    partial.replace(path)
+    for name in names:
+        (RESULTS / name).unlink()
+    _bundles.cache_clear()
 
 
 def clean_command(command: str) -> str:
@@ -170,7 +212,7 @@ def build_horizon() -> List[str]:
 
 
 def batch_files(tokens: int) -> List[str]:
-    return sorted(p.name for p in RESULTS.glob(f"ts300_b{tokens}_t3*.json"))
+    return [name for name in artifact_names() if re.fullmatch(rf"ts300_b{tokens}_t3.*\.json", name)]
 
 
 def build_batch() -> List[str]:
@@ -532,7 +574,11 @@ def cited_artifacts() -> List[str]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a document is stale")
+    parser.add_argument("--bundle", nargs="+", metavar=("BUNDLE", "ARTIFACT"),
+                        help="move the ARTIFACTs (names under docs/results) into BUNDLE, then rebuild")
     args = parser.parse_args(argv)
+    if args.bundle:
+        bundle(args.bundle[0], args.bundle[1:])
     stale = []
     try:
         for path in DOCS:

@@ -54,6 +54,21 @@ def test_a_changed_artifact_changes_the_table(copy):
     assert "4.1721 (seeds 1337, 1)" in (copy / "docs" / "RESULTS.md").read_text()
 
 
+def test_a_bundle_keeps_its_pieces_verbatim_and_the_tables_unchanged(copy):
+    results = copy / "docs" / "results"
+    pieces = ["ts300_scape_elr.json", "ts300_scape_elr_s1.json"]
+    before = {name: json.loads((results / name).read_text()) for name in pieces}
+    built = (copy / "docs" / "RESULTS.md").read_text()
+    assert report.main(["--bundle", "scape_x16.json", *pieces]) == 0
+    assert not any((results / name).exists() for name in pieces)
+    assert {name: report.load(name) for name in pieces} == before
+    after = (copy / "docs" / "RESULTS.md").read_text()
+    assert after != built and "ts300_scape_elr.json in [scape_x16.json](results/scape_x16.json)" in after
+    strip = lambda text: [line for line in text.splitlines() if "ts300_scape_elr" not in line]  # noqa: E731
+    assert strip(after) == strip(built)  # only the links moved: every number is the same
+    assert "scape_x16.json" in report.cited_artifacts()
+
+
 def test_a_missing_optional_artifact_is_one_visible_line_and_a_present_one_a_table(copy):
     results = copy / "docs" / "results"
     (results / "network_wire.json").unlink(missing_ok=True)
