@@ -305,7 +305,9 @@ def merge_overrides(*groups: Sequence[str]) -> List[str]:
 
 def arm_command(arm: Arm, args: argparse.Namespace, run_dir: Path, point: Sequence[str] = ()) -> List[str]:
     """``point``: the sweep's lr and seed for this run (they win over the arm's and the study's)."""
-    arm_specific = [item.format(quarter=max(1, args.steps // 4), warmup=WARMUP_STEPS) for item in arm.overrides]
+    # only these two placeholders: an override's own braces (a parameter group) are Hydra's
+    arm_specific = [item.replace("{quarter}", str(max(1, args.steps // 4))).replace("{warmup}", str(WARMUP_STEPS))
+                    for item in arm.overrides]
     overrides = merge_overrides(model_overrides(args), data_overrides(args), arm_specific, point, args.set or [])
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
             str(REPO / "train.py"), *overrides, f"out_dir={run_dir.parent}", f"run_name={run_dir.name}"]

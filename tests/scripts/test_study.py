@@ -157,6 +157,10 @@ def test_presets_set_arms_lrs_and_seeds_and_every_arm_composes():
     overrides = dict(i.split("=", 1) for i in study.compose_arm("sma99t+elr16").overrides)
     assert overrides == {"optimizer": "sparse_avg",
                          "optimizer.param_groups": "[{match:embedding,step_bound:4.47,denominator_beta:0.2,lr_scale:16}]"}
+    args = study.parse_args(["--preset", "evaluation", "--corpus", "embedded"])
+    for arm in args.arm_names:  # each arm's command line is built, a parameter group's braces kept
+        command = study.arm_command(study.ARMS[arm], args, Path("runs") / arm)
+        assert any("param_groups=[{match:embedding," in item for item in command), (arm, command)
 
 
 def test_the_evaluation_preset_runs_one_study_per_evaluation_corpus(tmp_path, monkeypatch):
