@@ -201,6 +201,58 @@ def build_quality() -> List[str]:
     return study_block(quality_rows())
 
 
+# The evaluation study (study_quality.py --preset evaluation): one file per evaluation corpus,
+# each method as a tiny experiment ships it, compared best-lr against best-lr and at the lr its
+# experiment ships with (the transfer a user gets without tuning).
+EVALUATION = {"manpages": "evaluation_manpages.json", "perl-stdlib": "evaluation_perl-stdlib.json"}
+EVALUATION_ARMS = [("AdamS (dense)", "adams+elr16", "tiny_adams"), ("SCAPE-90", "scape90+elr16", "tiny_scape90"),
+                   ("SCAPE-99", "scape99+elr16", "tiny_scape99"),
+                   ("sparse averaging", "sma99t+elr16", "tiny_sma99")]
+
+
+def shipped_lr(experiment: str) -> float:
+    """The lr conf/experiment/EXPERIMENT.yaml ships with."""
+    import yaml
+
+    return float(yaml.safe_load((REPO / "conf" / "experiment" / f"{experiment}.yaml").read_text())["optimizer"]["lr"])
+
+
+def evaluation_rows(corpus: str, name: str) -> List[List[str]]:
+    data = load(name)
+    present = [(label, arm, exp) for label, arm, exp in EVALUATION_ARMS if arm in data["arms"]]
+    built = {arm: summarize(dict(arm=arm, files=[name])) for _, arm, _ in present}
+    ref_arm, ref_exp = EVALUATION_ARMS[0][1], EVALUATION_ARMS[0][2]
+    ref = built.get(ref_arm)
+    at_shipped = {arm: data["arms"][arm]["lr_losses_first_seed"].get(f"{shipped_lr(exp):g}") for _, arm, exp in present}
+    rows = []
+    for label, arm, exp in present:
+        row, gap, transfer = built[arm], "—", "—"
+        if ref is not None and arm != ref_arm:
+            paired = [fmt_gap(loss - ref["seeds"][s]) for s, loss in row["seeds"].items() if s in ref["seeds"]]
+            gap = f"**{fmt_gap(row['mean'] - ref['mean'])}** ({', '.join(paired)})"
+            if at_shipped[arm] is not None and at_shipped.get(ref_arm) is not None:
+                transfer = fmt_gap(at_shipped[arm] - at_shipped[ref_arm])
+        seeds = " / ".join(f"{row['seeds'][s]:.4f}" for s in row["seeds"])
+        shipped = at_shipped[arm]
+        rows.append([corpus, label, ", ".join(fmt_lr(lr) for lr in row["tried"]), fmt_lr(row["best"]),
+                     f"{seeds} (seeds {', '.join(row['seeds'])})", f"{row['mean']:.4f}", gap,
+                     f"{fmt_lr(shipped_lr(exp))}: {'—' if shipped is None else f'{shipped:.4f}'}", transfer,
+                     "—" if row["share"] is None else f"{row['share']:.1%}"])
+    return rows
+
+
+def build_evaluation() -> List[str]:
+    present = {corpus: name for corpus, name in EVALUATION.items() if load(name, optional=True) is not None}
+    if not present:
+        return ["*Not measured yet: `python scripts/study_quality.py --preset evaluation` writes "
+                + " and ".join(f"docs/results/{n}" for n in EVALUATION.values()) + ".*"]
+    header = ["corpus", "arm", "lrs tried", "best lr", "val loss at the best lr", "mean",
+              "gap to AdamS, best vs best (per seed)", "shipped lr: val loss (seed 1337)",
+              "gap to AdamS, both at their shipped lr", "of dense bytes"]
+    rows = [row for corpus, name in present.items() for row in evaluation_rows(corpus, name)]
+    return [*table(header, rows), "", "Commands (machine-local folders left out):", *command_lines(present.values())]
+
+
 HORIZON = [
     dict(label="AdamS, lr 3e-3", arm="adams+elr16", files=["ts1200_elr_adams.json", "ts1200_elr_s1_adams.json"]),
     dict(label="sparse averaging as it ships, lr 2e-3", arm="sma99t+elr16", files=["ts1200_sma99t.json"], ref=0),
@@ -545,7 +597,7 @@ def build_readme_optimizers() -> List[str]:
 BUILDERS: Dict[str, Callable[[], List[str]]] = {
     "quality": build_quality, "horizon": build_horizon, "batch": build_batch, "copies": build_copies,
     "sdp-quality": build_sdp_quality, "bytes": build_bytes, "optimizer-work": build_optimizer_work,
-    "network": build_network, "wire": build_wire, "gpu-check": build_gpu_check, "sdp-memory": build_sdp_memory,
+    "network": build_network, "wire": build_wire, "evaluation": build_evaluation, "gpu-check": build_gpu_check, "sdp-memory": build_sdp_memory,
     "optimizer-memory": build_optimizer_memory, "model-speed": build_model_speed,
     "quickstart": build_quickstart, "readme-quickstart": build_readme_quickstart,
     "readme-tests": build_readme_tests, "readme-optimizers": build_readme_optimizers,

@@ -73,6 +73,6 @@ def test_docs_results_holds_only_what_the_documents_cite_and_all_of_it():
     report = load_script("report")
     cited = set(report.cited_artifacts())
     present = {p.name for p in ARTIFACTS.iterdir() if p.is_file()}
-    optional = {"network_wire.json", "gpu_check.json", report.TEST_SUITE}
+    optional = {"network_wire.json", "gpu_check.json", report.TEST_SUITE, *report.EVALUATION.values()}
     assert not present - cited, f"docs/results files no document cites (delete them): {sorted(present - cited)}"
     assert not cited - present - optional, f"cited but missing: {sorted(cited - present - optional)}"
