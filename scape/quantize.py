@@ -8,8 +8,10 @@ code c = clamp(floor(v / step) + 2^(b-1), 0, 2^b - 1) and is read back as
 of zeros has step 0 and reads back as zeros. The codes are packed 8 / b to a byte.
 
 Mid-rise codes have no level at 0: a value far below its block's RMS reads back as half a step.
-``midtread`` (``optimizer.value_quantizer``, 2 or 4 bits) uses the 2^b - 1 levels
-floor(v / step + 1/2) step instead, one of them 0, at the cost of one level.
+``midtread=True`` (2 or 4 bits) uses the 2^b - 1 levels floor(v / step + 1/2) step instead, one
+of them 0, at the cost of one level. No config selects it: sparse averaging sends mid-rise codes
+(scape/averaging.py); the variant stays while the kernels (``scape.kernels``) and
+scripts/gpu_check.py carry it.
 
 A block holding a NaN or an Inf has a NaN or Inf scale (kept so through the bf16 rounding of the
 scale, see ``scape.kernels``) and reads back non-finite, at the sender and at every receiver: the
@@ -30,8 +32,8 @@ from scape import kernels
 BLOCK = 64
 STEP_PER_RMS = {1: 1.596, 2: 0.9957, 4: 0.3352}
 BITS = tuple(STEP_PER_RMS)
-# mid-tread (``optimizer.value_quantizer=midtread``): 2^b - 1 levels, one of them 0, with the step
-# of least squared error on a Gaussian among those (computed as Max did)
+# mid-tread (``midtread=True``, which no config selects): 2^b - 1 levels, one of them 0, with the
+# step of least squared error on a Gaussian among those (computed as Max did)
 MIDTREAD_STEP_PER_RMS = {2: 1.224, 4: 0.3534}
 MIDTREAD_BITS = tuple(MIDTREAD_STEP_PER_RMS)
 

@@ -4,11 +4,13 @@
 
 Sparse model averaging (``optimizer=sparse_avg``) keeps one model per rank; the checkpoint holds
 their average (``model.safetensors``) and each rank's copy (``rank-R.pt``). This reads every copy,
-validates each one and their average on the run's own validation windows (the same windows the
-trainer validated on, so the average reproduces the run's validation loss), and prints one JSON
+validates each one and their average (the mean of the copies plus the owners' pending errors) on
+the run's own validation windows (the same windows the trainer validated on), and prints one JSON
 object: the losses, the RMS of the average's weights and the RMS distance of the copies from their
-average, overall and (``--per-tensor``) per parameter. A diagnostic for docs/RESULTS.md's
-divergence numbers; it runs on CPU.
+average, overall and (``--per-tensor``) per parameter. That average is the trainer's model, and
+reproduces the run's validation loss, when the copies take their whole local step
+(``local_step_scale`` 1, the default up to 4 copies); with a share s < 1 the trainer's model is
+x + (mean_i d_i + e) / s, which this does not rebuild. A diagnostic; it runs on CPU.
 """
 from __future__ import annotations
 
@@ -29,9 +31,10 @@ def load_copies(checkpoint: Path) -> Tuple[List[torch.Tensor], torch.Tensor]:
     """(every rank's flat copy y_i in rank order, what the owners' mean still owes the average).
 
     The flat layout: matrices first. The second is the sum of the owners' pending
-    re-quantization errors (``optimizer.requantization_error=owner``; zero without), which the
-    average model holds and no copy does; the ranks of one copy hold the same error, so each
-    rank's counts copies / world times."""
+    re-quantization errors (each chunk owner's ``mean_error`` of the compressed all-reduce, with
+    ``optimizer.value_bits`` > 0; zero with value_bits 0), which the average model holds and no
+    copy does; the ranks of one copy hold the same error, so each rank's counts copies / world
+    times."""
     files = sorted(checkpoint.glob("rank-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
     if not files:
         raise SystemExit(f"error: {checkpoint} has no rank-R.pt files: it is not a checkpoint of a run")
