@@ -205,8 +205,8 @@ def build_quality() -> List[str]:
 # each method as a tiny experiment ships it, compared best-lr against best-lr and at the lr its
 # experiment ships with (the transfer a user gets without tuning).
 EVALUATION = {"manpages": "evaluation_manpages.json", "perl-stdlib": "evaluation_perl-stdlib.json"}
-EVALUATION_ARMS = [("AdamS (dense)", "adams+elr16", "tiny_adams"), ("SCAPE-90", "scape90+elr16", "tiny_scape90"),
-                   ("SCAPE-99", "scape99+elr16", "tiny_scape99"),
+EVALUATION_ARMS = [("AdamS (dense)", "adams+elr16", "tiny_adams"), ("SCAPE-90", "scape90t+elr16", "tiny_scape90"),
+                   ("SCAPE-99", "scape99t+elr16", "tiny_scape99"),
                    ("sparse averaging", "sma99t+elr16", "tiny_sma99")]
 
 
@@ -586,11 +586,11 @@ def build_readme_optimizers() -> List[str]:
         ["AdamS (`optimizer=adams`)", "dense (1×)", evaluation_gaps("adams+elr16"),
          f"the reference ({summarize(rows[0])['mean']:.4f})",
          "the dense base of SCAPE and of sparse averaging; half AdamW's optimizer state", "—"],
-        ["SCAPE-99 (`optimizer=scape`)", f"{comm['scape99_auto']:.1f}× fewer", evaluation_gaps("scape99+elr16"),
+        ["SCAPE-99 (`optimizer=scape`)", f"{comm['scape99_auto']:.1f}× fewer", evaluation_gaps("scape99t+elr16"),
          gap_against(rows, 4),
          "a slow link, where a few tenths of a nat are acceptable; works with `optimizer.shard=true`",
          "longer runs and other batch sizes with the table at 16 lr"],
-        ["SCAPE-90 (`optimizer.sparsity=0.9`)", f"{comm['scape90_auto']:.1f}× fewer", evaluation_gaps("scape90+elr16"),
+        ["SCAPE-90 (`optimizer.sparsity=0.9`)", f"{comm['scape90_auto']:.1f}× fewer", evaluation_gaps("scape90t+elr16"),
          gap_against(rows, 3),
          "as SCAPE-99, with more bytes and a smaller gap", "as SCAPE-99"],
         ["sparse averaging (`optimizer=sparse_avg`)", "SCAPE-99's, over a run", evaluation_gaps("sma99t+elr16"),

@@ -171,7 +171,7 @@ _PART_NAME = re.compile(r"([a-z]+?)((?:\d+\.?\d*|\.\d+)(?:e-?\d+)?)?")
 
 def compose_arm(name: str) -> Optional[Arm]:
     """An arm named by its recipe, ``base+part+part...``: base scape90 / scape99 (the spec's rule at
-    that sparsity), sma99t (optimizer=sparse_avg as it ships) or adams / adamw; parts: post, capN /
+    that sparsity), scape90t / scape99t (optimizer=scape as it ships), sma99t (optimizer=sparse_avg as it ships) or adams / adamw; parts: post, capN /
     lrsumN (catch-up capped at N; 0 = 1 / density), warmN, noclip, gcN (clipped at N), lrX, momX
     (b1 = X), wdX (weight decay X), elrX (the lr on the embedding table times X; for sparse averaging
     above 1 with the table's bound and memory of SPARSE_AVG_TABLE unless embN / edbetaX set them), spX (the
@@ -184,6 +184,8 @@ def compose_arm(name: str) -> Optional[Arm]:
         return None
     if base in ("scape90", "scape99"):
         overrides, label = [*SCAPE, f"optimizer.sparsity=0.{base[-2:]}", *_SPEC_RULE], f"SCAPE-{base[-2:]}"
+    elif base in ("scape90t", "scape99t"):  # optimizer=scape as it ships (the study's rule)
+        overrides, label = list(ARMS[base[:-1]].overrides), f"SCAPE-{base[5:7]} as it ships"
     elif base == "sma99t":
         overrides, label = list(ARMS[base].overrides), ARMS[base].label
     elif base in ("adams", "adamw"):
@@ -508,7 +510,7 @@ PRESETS = {
                    "lrs": "1e-3,2e-3,3e-3,4e-3", "seeds": "1337,1"},
     # the methods as the tiny experiments ship them (each table at 16 lr), on each evaluation
     # corpus in turn (one study each, NAME_<corpus>); the grid holds every shipped lr (2e-3, 3e-3)
-    "evaluation": {"arms": "adams+elr16,scape90+elr16,scape99+elr16,sma99t+elr16",
+    "evaluation": {"arms": "adams+elr16,scape90t+elr16,scape99t+elr16,sma99t+elr16",
                    "lrs": "1e-3,2e-3,3e-3", "seeds": "1337,1", "corpora": EVAL_CORPORA},
 }
 

@@ -161,6 +161,9 @@ def test_presets_set_arms_lrs_and_seeds_and_every_arm_composes():
     for arm in args.arm_names:  # each arm's command line is built, a parameter group's braces kept
         command = study.arm_command(study.ARMS[arm], args, Path("runs") / arm)
         assert any("param_groups=[{match:embedding," in item for item in command), (arm, command)
+    shipped = study.compose_arm("scape99t+elr16").overrides  # SCAPE as it ships, not the spec's rule
+    assert "optimizer.sparsity=0.99" in shipped and not any("score_timing" in item for item in shipped)
+    assert "optimizer.score_timing=pre_send" in study.compose_arm("scape99+elr16").overrides
 
 
 def test_the_evaluation_preset_runs_one_study_per_evaluation_corpus(tmp_path, monkeypatch):
@@ -175,7 +178,7 @@ def test_the_evaluation_preset_runs_one_study_per_evaluation_corpus(tmp_path, mo
     assert study.main(["--preset", "evaluation", "--name", "ev", "--steps", "7"]) == 0
     assert [(Path(c).name, n) for c, n, *_ in ran] == [(f"{c}.jsonl", f"ev_{c}") for c in study.EVAL_CORPORA]
     for _, name, arms, lrs, seeds, invocation in ran:
-        assert arms == ["adams+elr16", "scape90+elr16", "scape99+elr16", "sma99t+elr16"]
+        assert arms == ["adams+elr16", "scape90t+elr16", "scape99t+elr16", "sma99t+elr16"]
         assert {2e-3, 3e-3} <= set(lrs) and seeds == [1337, 1]  # the shipped lrs, two seeds
         assert f"--name {name}" in invocation and "--steps 7" in invocation
     ran.clear()
