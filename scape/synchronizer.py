@@ -37,8 +37,7 @@ import torch
 
 from core.checkpoint import repad
 from core.comm import Collectives
-from core.flat import embedding_weight_ids
-from core.optim import embedding_lr_scale
+from core.optim import embedding_lr_scale, group_parameter_ids
 from scape import kernels
 from scape.config import OptimizerConfig
 from scape.masking import MaskedSynchronizer
@@ -56,8 +55,9 @@ class ScapeSynchronizer(MaskedSynchronizer):
     single-rank run with a 2-rank one this way, and the benchmarks use it).
     """
 
-    # optimizer.embedding_lr_scale: the embedding tables' coordinates train at k lr (False where
-    # a subclass's state does not cover the whole model: the sharded optimizer, SDP's groups)
+    # a parameter group's lr_scale (optimizer.param_groups): the embedding tables' coordinates
+    # train at k lr (False where a subclass's state does not cover the whole model: the sharded
+    # optimizer, SDP's groups)
     TABLE_LR_SCALE = True
 
     def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig,
@@ -69,7 +69,7 @@ class ScapeSynchronizer(MaskedSynchronizer):
         refuse_foreign_keys(cfg, SPARSE_AVG_ONLY_KEYS, "a sparse_avg", "scape")
         self.table_lr_scale = embedding_lr_scale(cfg)
         if self.table_lr_scale != 1 and not self.TABLE_LR_SCALE:
-            raise ValueError(f"optimizer.embedding_lr_scale={self.table_lr_scale:g} is not supported with "
+            raise ValueError(f"optimizer.param_groups[0].lr_scale={self.table_lr_scale:g} is not supported with "
                              f"optimizer.shard=true or SDP (their optimizer state does not hold whole tables): "
                              f"leave it 1")
         validate_config(cfg)
@@ -254,12 +254,9 @@ class ScapeSynchronizer(MaskedSynchronizer):
 
     # --- the pieces (scape/sharded.py overrides the first five: its state covers one shard) --
     def _table_ranges(self, model: torch.nn.Module) -> list:
-        """``[start, end)`` of each ``torch.nn.Embedding`` weight in the flat buffer."""
-        tables = embedding_weight_ids(model)
-        if not tables:
-            raise ValueError(f"optimizer.embedding_lr_scale={self.table_lr_scale:g} scales the lr on the embedding "
-                             f"tables, but the model has no torch.nn.Embedding: leave it 1")
-        return self.flat.ranges(tables)
+        """``[start, end)`` in the flat buffer of each parameter the group matches (the
+        ``torch.nn.Embedding`` weights; one that matches none is refused)."""
+        return self.flat.ranges(group_parameter_ids(model, self.cfg))
 
     def _build_optimizer(self, decay_numel: int, cap: float) -> ScapeOptimizer:
         cfg = self.cfg
