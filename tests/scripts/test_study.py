@@ -55,8 +55,10 @@ def test_study_runs_arms_and_reports(prepared_cache, tmp_path):
         assert record["curve"]["step"][-1] == summary["step"], name
     assert arms["adams"]["summary"]["step"] == STEPS
     assert arms["bsdp50_fm"]["summary"]["step"] == 2 * STEPS  # FLOP-matched: 1/C steps at C = 0.5
-    # SCAPE-99 sends about 2% of dense bytes per sparse step; its first step is dense.
-    assert arms["scape99"]["summary"]["bytes_sent_per_rank"] < 0.5 * arms["adams"]["summary"]["bytes_sent_per_rank"]
+    # SCAPE-99's first step is dense (its dense warm-up), the 3 others send ~1.5% of a dense step
+    # each (values, mask, control): between 1 and 1.1 dense steps in all, not "less than dense".
+    dense_step = arms["adams"]["summary"]["bytes_sent_per_rank"] / STEPS
+    assert 1.0 < arms["scape99"]["summary"]["bytes_sent_per_rank"] / dense_step < 1.1
     gap_target = next(t for t in report["targets"] if t["arm"] == "scape99")
     expected_gap = arms["scape99"]["summary"]["final_val_loss"] - arms["adams"]["summary"]["final_val_loss"]
     assert gap_target["value"] == pytest.approx(expected_gap, abs=1e-4)
