@@ -44,7 +44,9 @@ METRICS: Dict[str, str] = {
     "perf/time_opt_s": "step time in the optimizer",
     "mem/peak_gib": "peak GPU memory (CPU: peak RSS) per worker",
     "comm/bytes_total": "bytes this rank sent in the step",
-    "comm/bytes_cumulative": "bytes this rank sent so far",
+    "comm/bytes_cumulative": "bytes this rank sent so far in the optimizer steps",
+    "comm/bytes_outside_steps": "bytes this rank sent so far outside the steps (the copies' average for "
+                                "validation and checkpoints; sparse averaging only)",
     "comm/compression": "a dense fp32 all-reduce's bytes over the bytes sent",
     "scape/density": "fraction of the moment sent",
     "scape/dense_step": "1 on dense (warm-up) steps",
@@ -294,18 +296,21 @@ class MetricsProcessor:
     def __init__(self, logger: Optional[MetricsLogger], sync, comm, log_every: int, start_step: int,
                  total_steps: int, tokens_per_step: int, flops_per_token: float, world_size: int,
                  device: torch.device, dense_bytes: float, bytes_cumulative: float = 0.0,
-                 peak_tflops: Optional[float] = None) -> None:
+                 peak_tflops: Optional[float] = None, bytes_outside_steps: float = 0.0) -> None:
         self.logger, self.sync, self.counter = logger, sync, comm.counter
         self.log_every, self.start_step, self.total_steps = log_every, start_step, total_steps
         self.tokens_per_step, self.flops_per_token, self.world_size = tokens_per_step, flops_per_token, world_size
         self.device, self.peak, self.dense_bytes = device, peak_flops(device, peak_tflops), dense_bytes
         self.bytes_cumulative = bytes_cumulative
+        self.bytes_outside_steps = bytes_outside_steps
         self.noise_scale = NoiseScaleMeter()
 
     def due(self, step: int) -> bool:
         return step % self.log_every == 0 or step == self.start_step + 1 or step == self.total_steps
 
     def record(self, step: int, lr: float, result, skipped: int) -> None:
+        """Right after ``step``: what the counter holds is the step's. It is cleared here, so what
+        it holds at the next step's start was sent outside the steps (``count_outside_steps``)."""
         bytes_step = self.counter.total()
         self.bytes_cumulative += bytes_step
         self.noise_scale.add(result.device_values[5], result.device_values[6], *result.noise_batch_sizes)
@@ -313,6 +318,13 @@ class MetricsProcessor:
             self.logger.advance(step)
             if self.due(step):
                 self.logger.log(step, self.step_metrics(step, lr, result, skipped, bytes_step))
+        self.counter.reset()
+
+    def count_outside_steps(self) -> None:
+        """Add what was sent since the last step (validation, checkpoints) to its own total: the
+        per-step bytes stay comparable across optimizers, and the run's total is still all of it."""
+        self.bytes_outside_steps += self.counter.total()
+        self.counter.reset()
 
     def step_metrics(self, step: int, lr: float, result, skipped: int, bytes_step: float) -> Dict[str, Any]:
         tflops = self.flops_per_token * self.tokens_per_step / result.time_step / self.world_size / 1e12
@@ -325,6 +337,7 @@ class MetricsProcessor:
             "perf/time_opt_s": result.time_opt,
             "mem/peak_gib": peak_memory_gib(self.device),
             "comm/bytes_total": bytes_step, "comm/bytes_cumulative": self.bytes_cumulative,
+            "comm/bytes_outside_steps": self.bytes_outside_steps,
             "comm/compression": self.dense_bytes / bytes_step if bytes_step else float("inf"),
         }
         if self.peak:

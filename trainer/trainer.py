@@ -158,6 +158,7 @@ class Trainer:
 
     def _open_run(self) -> None:
         env, bytes_cumulative = self.env, 0.0
+        self._bytes_outside_at_start = 0.0
         self._tokens_at_start = 0
         if env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -165,6 +166,7 @@ class Trainer:
         if self.resume_from is not None:
             meta = load_checkpoint(self.resume_from, self.sync, env)
             self.start_step, bytes_cumulative = int(meta["step"]), float(meta.get("bytes_cumulative", 0.0))
+            self._bytes_outside_at_start = float(meta.get("bytes_outside_steps", 0.0))
             self._tokens_at_start = tokens_consumed(meta, self.cfg.model.seq_len)
         elif self.cfg.train.init_from is not None:
             self._init_weights(Path(self.cfg.train.init_from))
@@ -205,7 +207,7 @@ class Trainer:
         self.metrics = MetricsProcessor(self.logger, self.sync, self.comm, t.log_every, self.start_step,
                                         self.total_steps, t.global_batch_tokens, self.flops_per_token,
                                         env.world_size, env.device, self.dense_bytes, self._bytes_at_start,
-                                        t.peak_tflops)
+                                        t.peak_tflops, self._bytes_outside_at_start)
         self.profiler = StepProfiler(self.run_dir, t.profile_start, t.profile_end, self.start_step, env.device,
                                      t.profile and env.is_main)
         self.downstream = None
@@ -227,7 +229,7 @@ class Trainer:
                 "data": {"prepared_dir": str(self.prepared), "next_step": step, "seed": self.cfg.seed,
                          "tokens_consumed": self._tokens_at_start
                          + (step - self.start_step) * self.cfg.train.global_batch_tokens},
-                "bytes_cumulative": self.metrics.bytes_cumulative}
+                "bytes_cumulative": self.metrics.bytes_cumulative, "bytes_outside_steps": self.metrics.bytes_outside_steps}
 
     def _status(self, state: str, step: int) -> None:
         self.folder.status(state, step)
@@ -236,7 +238,7 @@ class Trainer:
     def train_step(self, step: int) -> StepResult:
         """One optimizer step at ``step`` (1-based) with the schedule's learning rate."""
         o = self.cfg.optimizer
-        self.comm.counter.reset()
+        self.metrics.count_outside_steps()
         self.lr = lr_at(step, o.lr, o.warmup_steps, self.total_steps, o.min_lr_ratio, o.lr_schedule, o.decay_fraction)
         return train_step(self.train_model, self.sync, self.batches, self.accum, self.lr, o.grad_clip, self.comm,
                           self.env.world_size, self.autocast, self.stop.requested, self.env.device)
@@ -299,10 +301,12 @@ class Trainer:
                            f"{latest_checkpoint(self.run_dir)}; lower optimizer.lr or check the data")
 
     def summary(self, state: str) -> Dict[str, Any]:
+        self.metrics.count_outside_steps()  # the last validation's and checkpoint's
         last = self.validator.last
         return {"run_dir": str(self.run_dir), "state": state, "step": self.step, "steps_total": self.total_steps,
                 "final_val_loss": last, "best_val_loss": self.validator.best if last is not None else None,
                 "bytes_sent_per_rank": self.metrics.bytes_cumulative,
+                "bytes_outside_steps_per_rank": self.metrics.bytes_outside_steps,
                 "dense_bytes_per_rank": self.dense_bytes * self.step, "parameters": self.full_params,
                 "skipped_steps": self.guard.skipped, "wall_time_s": time.time() - self.t_start,
                 "checkpoint": self.checkpointer.saved_at}
