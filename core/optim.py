@@ -138,7 +138,7 @@ class DenseOptimizerConfig:
     grad_clip: float = 1.0  # 0 = off
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1  # the schedule's floor, as a fraction of lr
-    lr_schedule: str = "cosine"  # cosine | wsd (warmup-stable-decay; trainer/schedule.py)
+    lr_schedule: str = "cosine"  # cosine | wsd (warmup-stable-decay; core/schedule.py)
     decay_fraction: float = 0.2  # wsd: the final fraction of the steps that decays linearly to the floor
     # true: each rank keeps the optimizer state of its 1/N of the flat parameters (ZeRO-1 for
     # adamw/adams, core/zero.py; sharded SCAPE, scape/sharded.py)

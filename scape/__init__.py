@@ -21,9 +21,11 @@ from scape.config import OptimizerConfig
 __all__ = ["OptimizerConfig", "build_synchronizer"]
 
 
-def build_synchronizer(model: torch.nn.Module, cfg: OptimizerConfig, comm: Optional[Collectives] = None):
+def build_synchronizer(model: torch.nn.Module, cfg: OptimizerConfig, comm: Optional[Collectives] = None,
+                       steps: Optional[int] = None):
     """The synchroniser for ``model``: SCAPE (``cfg.name=scape``; sharded with ``cfg.shard``) or
-    sparse model averaging (``cfg.name=sparse_avg``, scape/averaging.py)."""
+    sparse model averaging (``cfg.name=sparse_avg``, scape/averaging.py), whose byte budget is
+    spread over the run's ``steps``."""
     name = cfg["name"] if hasattr(cfg, "keys") else cfg.name
     shard = bool(cfg.get("shard", False) if hasattr(cfg, "keys") else cfg.shard)
     if name == "sparse_avg":
@@ -32,7 +34,7 @@ def build_synchronizer(model: torch.nn.Module, cfg: OptimizerConfig, comm: Optio
                              "rank keeps its own model copy and momentum); set optimizer.shard=false")
         from scape.averaging import SparseAverageSynchronizer
 
-        return SparseAverageSynchronizer(model, cfg, comm=comm)
+        return SparseAverageSynchronizer(model, cfg, comm=comm, steps=steps)
     if name != "scape":
         raise ValueError(f"scape.build_synchronizer needs optimizer.name=scape or sparse_avg, "
                          f"got {name!r}")
@@ -51,7 +53,7 @@ def build_synchronizer(model: torch.nn.Module, cfg: OptimizerConfig, comm: Optio
 def _build(cfg: Any, device: torch.device, comm: Collectives):
     from models import build_model
 
-    return build_synchronizer(build_model(cfg.model, device=device), cfg.optimizer, comm)
+    return build_synchronizer(build_model(cfg.model, device=device), cfg.optimizer, comm, steps=int(cfg.train.steps))
 
 
 register_synchronizer("scape", _build)

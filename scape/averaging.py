@@ -37,8 +37,8 @@ One step t, in the loop's order
                       y_i -= s lr clamp((m_i / bc) / D, +-c) with decoupled weight decay on the
                       matrices (``_SharedNormalizer.local_step``): linear in m_i, so the mean of
                       the copies moves by the step on the mean momentum.
-    after_step        the next window of the cycle (k = ceil(density(t+1) |P_r|), SCAPE's
-                      sparsity warm-up and the density that follows the lr).
+    after_step        the next window of the cycle, k = ceil(density(t+1) |P_r|): the densities
+                      the byte budget plans from the run's lr schedule (scape/budget.py).
 
 Why this shape
     * Off the mask nothing is lost: a coordinate that is not sent keeps moving locally, and its
@@ -66,39 +66,32 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Dict, Iterator, Optional, Set
+from typing import Any, Callable, Dict, Iterator, Optional, Set
 
 import torch
 
 from core.checkpoint import repad
-from core.comm import Collectives, all_gather_bytes, all_reduce_bytes, all_to_all_bytes, new_groups
+from core.comm import Collectives, new_groups
 from core.optim import group_parameter_ids, override_group
 from scape import kernels
 from scape.accounting import VALUE_BYTES
+from scape.budget import DensityPlan, density_plan, exchange_bytes
 from scape.config import SparseAverageConfig
 from scape.masking import MaskedSynchronizer
 from scape.options import as_dataclass, validate_sparse_avg
 from scape.partition import Partitioning
-from scape.quantize import dequantize, packed_nbytes, quantize
+from scape.quantize import dequantize, quantize
 
 NAME = "sparse_avg"
 
 
 def sparse_avg_step_bytes(numel: int, world: int, sparsity: float, value_dtype: str = "bf16",
                           value_bits: int = 2) -> Dict[str, float]:
-    """Bytes per rank of a sparse step (no mask crosses: every rank computes the cycle alike).
-
-    ``value_bits``: each of the world's chunks of codes goes to its owner (an all-to-all) and the
-    owners' codes of the mean are all-gathered with the fp32 norm; 0: the ``value_dtype`` values
-    and the norm in one all-reduce."""
+    """Bytes per rank of a sparse step at density 1 - ``sparsity``, a copy per rank (no mask
+    crosses: every rank computes the cycle alike; scape.budget.exchange_bytes)."""
     layout = Partitioning(numel, world, world, 0)
     k = layout.k(round(1.0 - sparsity, 12))
-    count, value_bytes = layout.num_partitions * k, VALUE_BYTES[value_dtype]
-    if value_bits:
-        chunk = packed_nbytes(count // world, value_bits, value_bytes)
-        values = all_to_all_bytes(world * chunk, world) + all_gather_bytes(chunk + 4, world)
-    else:
-        values = all_reduce_bytes(count * value_bytes, world) + all_reduce_bytes(value_bytes, world)
+    values = exchange_bytes(layout.num_partitions * k, world, value_bits, VALUE_BYTES[value_dtype])
     return {"values": values, "mask": 0, "total": values, "transport": "none", "k": k,
             "padded_numel": layout.padded_numel}
 
@@ -372,8 +365,11 @@ class _Cycle:
 class SparseAverageSynchronizer(MaskedSynchronizer):
     """Sparse model averaging over one flat fp32 view of the model's trainable parameters."""
 
-    def __init__(self, model: torch.nn.Module, cfg: SparseAverageConfig,
-                 comm: Optional[Collectives] = None) -> None:
+    def __init__(self, model: torch.nn.Module, cfg: SparseAverageConfig, comm: Optional[Collectives] = None,
+                 steps: Optional[int] = None, density: Optional[Callable[[int], float]] = None) -> None:
+        """``steps``: the run's length, which the byte budget's plan spreads its bytes over
+        (scape.budget.density_plan; the builder passes train.steps). ``density``: the density of
+        each step's exchange instead of the plan (a fixed rule, for the tests of the arithmetic)."""
         cfg = as_dataclass(cfg)
         if not isinstance(cfg, SparseAverageConfig):
             raise ValueError(f"sparse averaging needs optimizer=sparse_avg's config, got optimizer={cfg.name}")
@@ -394,10 +390,26 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self.normalizer = _SharedNormalizer(self.consensus, float(cfg.betas[1]), float(cfg.eps), float(cfg.step_bound),
                                             self.copies)
         self._table_settings(model, cfg)
+        self.plan: Optional[DensityPlan] = None
+        self._density = density or self._planned(steps)
         self.step_count = 0  # steps completed
         self._local_norm: Optional[torch.Tensor] = None
         self._global_sq: Optional[torch.Tensor] = None  # sum over ranks of ||g_i||^2
         self._sent = 0  # coordinates averaged this step
+
+    def _planned(self, steps: Optional[int]) -> Callable[[int], float]:
+        if steps is None:
+            raise ValueError("sparse averaging plans each step's density from the run's length: give "
+                             "SparseAverageSynchronizer steps=train.steps (or a density rule)")
+        self.plan = density_plan(self.cfg, self.layout.numel, self.world, self.copies, int(steps))
+        return self.plan.at
+
+    def density_at(self, step: int) -> float:
+        """The density of step ``step``'s exchange (the plan's, or the rule given)."""
+        return float(self._density(step))
+
+    def k_at(self, step: int) -> int:
+        return self.layout.k(self.density_at(step))
 
     def _copy_groups(self, size: int) -> None:
         """ranks_per_copy: this rank trains one copy with the others of its group (their gradients
@@ -511,8 +523,6 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
     @torch.no_grad()
     def step(self, lr: float) -> None:
         step = self.step_count + 1
-        # the density of the next exchanges follows this step's lr (density_lr_power)
-        self.masks.lr_ratio = lr / self.cfg.lr
         if step == 1:  # the only dense gradient exchange: the clipped gradient, whose mean
             # starts D and is every rank's step-1 gradient (a dense first step)
             self.exchange_comm.all_reduce(self.flat.grad, kind="grad_allreduce")
@@ -592,8 +602,6 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         state: Dict[str, Any] = {"optimizer": NAME, "step": self.step_count,
                                  "layout": self.masks.layout_record(),
                                  "consensus": self.consensus.detach().cpu().clone(),
-                                 # the last step's lr / peak lr sizes the next mask (density_lr_power)
-                                 "lr_ratio": float(self.masks.lr_ratio),
                                  # the copies' drifts are in its units
                                  "local_step_scale": self.local_step_scale,
                                  "cycle_position": self.cycle.position}
@@ -622,7 +630,6 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self.cycle.position = int(state["cycle_position"])
         self.normalizer.load_state_dict(state)
         self.step_count = int(state["step"])
-        self.masks.lr_ratio = float(state.get("lr_ratio", 1.0))
         self.masks.load_state_dict(state)
 
     def local_state_dict(self) -> Dict[str, Any]:
@@ -674,7 +681,6 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self.normalizer.load_state_dict(state, fit=lambda tensor: repad(tensor, numel, padded))
         self.cycle.position = 0
         self.step_count = int(state["step"])
-        self.masks.lr_ratio = float(state.get("lr_ratio", 1.0))  # the re-selected mask's density
         self.masks.load_state_dict({})
         like = {key: torch.empty(old["padded_numel"]) for key in ("params", "momentum")}
         mean = shards.mean(_copy_and_momentum, like, self.comm, self.rank, self.world, self.device)

@@ -43,9 +43,7 @@ class ScapeConfig(DenseOptimizerConfig):
     # the spec's rule as written: the next mask scored before the send, no catch-up, no sparsity warm-up
     SPEC_RULE: ClassVar[Dict[str, Any]] = dict(score_timing="pre_send", stale_scale="steps",
                                                stale_scale_cap=1.0, sparsity_warmup_steps=0)
-    # not options of SCAPE: its mask's density is constant, and clipping drops what it removes
-    density_lr_power: ClassVar[float] = 0.0
-    min_sparsity: ClassVar[float] = 0.0
+    # not an option of SCAPE: clipping drops what it removes
     lossless_clip: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
@@ -59,15 +57,16 @@ class ScapeConfig(DenseOptimizerConfig):
 class SparseAverageConfig(DenseOptimizerConfig):
     """Sparse model averaging (scape/averaging.py): every rank steps its own copy over one shared
     denominator; each step averages the drifts of the next window of a fixed cycle of
-    coordinates, as 2-bit codes through a compressed all-reduce."""
+    coordinates, as 2-bit codes through a compressed all-reduce, as many a step as the byte
+    budget plans from the run's lr schedule (scape/budget.py)."""
     name: str = "sparse_avg"
     lr: float = 1e-3
-    # the density (1 - sparsity) x (lr_t / lr) ^ density_lr_power, at most 1 - min_sparsity
-    sparsity: float = 0.7
-    density_lr_power: float = 0.5
-    min_sparsity: float = 0.72
+    # bytes per rank per step over the run, every exchange of the drifts counted (scape/budget.py):
+    # 0 = SCAPE-99's sparse step for this model and world; in (0, 1]: that fraction of the dense
+    # fp32 all-reduce
+    byte_budget: float = 0.0
     dense_warmup_steps: int = 1  # steps 2..W average the whole drift
-    sparsity_warmup_steps: int = 0  # density from 1 to 1 - sparsity geometrically over this many steps
+    sparsity_warmup_steps: int = 0  # density from 1 to the planned one geometrically over this many steps
     value_bits: int = 2  # 1, 2 or 4: the drifts as codes (compressed all-reduce) | 0: value_dtype values
     value_dtype: str = "bf16"  # bf16 | fp32: the codes' scales (with value_bits 0: the drifts)
     # the largest local step over the shared denominator, in lr: 0 = sqrt(copies / (1 - b2))
@@ -79,9 +78,11 @@ class SparseAverageConfig(DenseOptimizerConfig):
 
     # a parameter group may set its own lr multiple, local-step bound and denominator memory
     GROUP_FIELDS: ClassVar[Tuple[str, ...]] = ("lr_scale", "step_bound", "denominator_beta")
-    # not options here: every rank computes the cycle alike, no score is ranked
+    # not options here: every rank computes the cycle alike, no score is ranked, and the density
+    # is the byte budget's plan (MaskExchange's own schedule, unused, stays at density 1)
     mask_transport: ClassVar[str] = "auto"
     topk_method: ClassVar[str] = "exact"
+    sparsity: ClassVar[float] = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()

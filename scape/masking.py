@@ -26,7 +26,6 @@ the synchroniser's own (``sync.mask``, ``sync.k_at``).
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -99,8 +98,6 @@ class MaskExchange:
         self.comm = comm
         self.timers = StepTimers(device)
         self.density = round(1.0 - float(cfg.sparsity), 12)
-        # the last step's lr over the peak lr (density_lr_power; written by the synchroniser)
-        self.lr_ratio = 1.0
         # what the owner ranks its own partition(s) by; written by the synchroniser
         self.score = torch.zeros(layout.owned_numel, dtype=torch.float32, device=device)
         self.mask: Optional[torch.Tensor] = None  # ascending flat indices, k per partition
@@ -120,17 +117,12 @@ class MaskExchange:
         return step <= self.cfg.dense_warmup_steps
 
     def density_at(self, step: int) -> float:
-        """rho x ``lr_ratio`` ^ density_lr_power, at most 1 - min_sparsity; over the first
-        sparsity_warmup_steps steps at least the warm-up's geometric decay from 1 to rho (DGC)."""
-        density = self.density
-        power = self.cfg.density_lr_power
-        if power:
-            scale = self.lr_ratio ** power if self.lr_ratio > 0 else (0.0 if power > 0 else math.inf)
-            density = min(density * scale, round(1.0 - float(self.cfg.min_sparsity), 12))
+        """rho = 1 - sparsity; over the first sparsity_warmup_steps steps the warm-up's geometric
+        decay from 1 to rho (DGC). (Sparse averaging plans its own: scape/budget.py.)"""
         warmup = self.cfg.sparsity_warmup_steps
         if warmup > 0 and step < warmup:
-            return max(self.density ** (step / warmup), density)
-        return density
+            return max(self.density ** (step / warmup), self.density)
+        return self.density
 
     def k_at(self, step: int) -> int:
         return self.layout.k(self.density_at(step))

@@ -43,8 +43,8 @@ def as_dataclass(cfg) -> DenseOptimizerConfig:
 
 
 # keys that only optimizer=sparse_avg reads, and those only SCAPE reads: each refuses the other's
-SPARSE_AVG_ONLY_KEYS = ("step_bound", "density_lr_power", "min_sparsity", "ranks_per_copy",
-                        "value_bits", "local_step_scale", "local_step_scale_power")
+SPARSE_AVG_ONLY_KEYS = ("step_bound", "byte_budget", "ranks_per_copy", "value_bits", "local_step_scale",
+                        "local_step_scale_power")
 SCAPE_ONLY_KEYS = ("mask_transport", "topk_method", "offload_residual", "lag", "overlap_backward", "update",
                    "stale_scale_cap", "stale_scale", "base", "score", "score_timing")
 
@@ -108,7 +108,8 @@ def validate_sparse_avg(cfg) -> None:
     check_mask_schedule(cfg)
     _number("step_bound", cfg.step_bound, 0, "0 = sqrt(copies / (1 - b2)), AdamS's largest step on a copy's "
             "share of the batch")
-    _check_density(cfg)
+    _number("byte_budget", cfg.byte_budget, 0, "bytes per rank per step as a fraction of the dense fp32 "
+            "all-reduce; 0 = SCAPE-99's", hi=1)
     if not (isinstance(cfg.ranks_per_copy, int) and not isinstance(cfg.ranks_per_copy, bool)
             and cfg.ranks_per_copy >= 1):
         raise ValueError(f"optimizer.ranks_per_copy={cfg.ranks_per_copy!r} must be an integer >= 1 "
@@ -118,19 +119,3 @@ def validate_sparse_avg(cfg) -> None:
             "0 = min(1, (4 / copies)^local_step_scale_power)", hi=1)
     _number("local_step_scale_power", cfg.local_step_scale_power, 0, "with local_step_scale=0 the copies take "
             "min(1, (4 / copies)^power) of their step", hi=1)
-
-
-def _check_density(cfg: DenseOptimizerConfig) -> None:
-    power = cfg.density_lr_power
-    if not (isinstance(power, (int, float)) and math.isfinite(power)):
-        raise ValueError(f"optimizer.density_lr_power={power!r} must be a number (0 = constant density, "
-                         f"1 = the density falls with the lr, -1 = it rises as the lr falls)")
-    floor, sparsity = cfg.min_sparsity, cfg.sparsity
-    # with the density falling with the lr (power > 0) the bound may sit below the base density: it
-    # caps the bytes per step at the peak lr; otherwise a bound above the sparsity would cut the base
-    if power > 0 and not (isinstance(floor, (int, float)) and 0.0 <= floor < 1.0):
-        raise ValueError(f"optimizer.min_sparsity={floor!r} must lie in [0, 1): it caps the density that "
-                         f"density_lr_power={power} sets, the bytes per step at the peak lr (0 = no cap)")
-    if power <= 0 and not (isinstance(floor, (int, float)) and 0.0 <= floor <= sparsity):
-        raise ValueError(f"optimizer.min_sparsity={floor!r} must lie in [0, optimizer.sparsity={sparsity}]: "
-                         f"it bounds the density that density_lr_power sets (0 = no bound)")

@@ -597,7 +597,8 @@ def build_readme_optimizers() -> List[str]:
          gap_against(rows, 1),
          f"SCAPE-99's bytes at AdamS's quality on 4 copies or fewer ({fmt_gap(on[8], 2)} on 8 copies, "
          f"{fmt_gap(on[16], 2)} on 16; `optimizer.ranks_per_copy` keeps the copies few)",
-         "models beyond the tiny ones"],
+         "models beyond the tiny ones; the study with the byte budget (its numbers are the fitted density "
+         "rule's, which sent 1.45× SCAPE-99's bytes over a cosine run; docs/JOURNAL.md)"],
         ["B-SDP (`sdp=block`, C = 0.5)", f"{sdp['fewer']:.1f}× fewer", "—",
          f"{fmt_gap(sdp['matched'])} FLOP-matched (twice the steps, lr 3e-3, 1 seed)",
          f"{sdp['memory']:.2f}× DDP's peak memory per worker", "with the table at 16 lr; beyond the tiny sizes"],

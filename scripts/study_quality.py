@@ -109,8 +109,8 @@ for _pct, _sparsity in (("90", "0.9"), ("99", "0.99")):
 ARMS["sma99t"] = Arm("sma99t", "sparse model averaging at SCAPE-99's bytes",
                      ("optimizer=sparse_avg",),
                      "optimizer=sparse_avg as it ships: 2-bit drifts of a fixed cycle of coordinates through a "
-                     "compressed all-reduce, the density following sqrt(lr), local steps over one shared "
-                     "denominator", False)
+                     "compressed all-reduce, each step's density planned from the lr schedule to send SCAPE-99's "
+                     "bytes over the run, local steps over one shared denominator", False)
 
 
 # Composed SCAPE arms, named by their recipe: scape99+post+cap32+warm20 (see compose_arm).
@@ -131,13 +131,9 @@ _PARTS = {
     "edbeta": (("group.denominator_beta={n}",), "D's beta {n} on the table"),  # sparse_avg only
     "mom": (("optimizer.betas=[{n},0.95]",), "b1 {n}"),
     "wd": (("optimizer.weight_decay={n}",), "weight decay {n}"),
-    "sp": (("optimizer.sparsity={n}",), "sparsity {n}"),
-    # sparse_avg only: the density rises as rho x peak lr / lr, to at most 1 - N; or falls with the lr
-    "invlr": (("optimizer.density_lr_power=-1", "optimizer.min_sparsity={n}"),
-              "density x peak lr / lr, sparsity >= {n}"),
-    "withlr": (("optimizer.density_lr_power=1",), "density x lr / peak lr"),
-    "lrpow": (("optimizer.density_lr_power={n}",), "density x (lr / peak lr)^{n}"),
-    "minsp": (("optimizer.min_sparsity={n}",), "sparsity >= {n}"),
+    "sp": (("optimizer.sparsity={n}",), "sparsity {n}"),  # SCAPE
+    # sparse_avg only: the byte budget, a fraction of the dense fp32 all-reduce a step (1: density 1)
+    "budget": (("optimizer.byte_budget={n}",), "{n} of the dense bytes a step"),
     # sparse_avg only: N ranks train one copy (dense inside it), the exchange runs between copies
     "rpc": (("optimizer.ranks_per_copy={n}",), "{n} ranks per copy"),
     # sparse_avg only: the copies take {n} of their local step, x the mean drift / {n}
@@ -174,9 +170,9 @@ def compose_arm(name: str) -> Optional[Arm]:
     that sparsity), scape90t / scape99t (optimizer=scape as it ships), sma99t (optimizer=sparse_avg as it ships) or adams / adamw; parts: post, capN /
     lrsumN (catch-up capped at N; 0 = 1 / density), warmN, noclip, gcN (clipped at N), lrX, momX
     (b1 = X), wdX (weight decay X), elrX (the lr on the embedding table times X; for sparse averaging
-    above 1 with the table's bound and memory of SPARSE_AVG_TABLE unless embN / edbetaX set them), spX (the
-    sparsity), bfloat (bf16 values), and for sparse averaging invlrN / withlr / lrpowX / minspN
-    (the density against the lr), rpcN (N ranks train one copy), boundN / embN (the local steps'
+    above 1 with the table's bound and memory of SPARSE_AVG_TABLE unless embN / edbetaX set them), spX (SCAPE's
+    sparsity), bfloat (bf16 values), and for sparse averaging budgetX (the byte budget, X of the
+    dense bytes a step), rpcN (N ranks train one copy), boundN / embN (the local steps'
     bound, on the embedding table), edbetaX (the shared D's beta on the table), lssX / lspX (the copies' share
     of their local step) and qN (N-bit drifts). None if the name is not of that form."""
     base, *parts = name.split("+")
@@ -506,7 +502,7 @@ PRESETS = {
              "lrs": "1e-3,2e-3,3e-3,6e-3", "seeds": "1337,1"},
     # the same protocol with the embedding table at 16 lr, each arm's best multiple: AdamS, sparse
     # averaging as it ships (SCAPE-99's bytes) and at density 1 with its 2-bit codes (a 90% method)
-    "fair_table": {"arms": "adams+elr16,sma99t+elr16,sma99t+sp0+minsp0+lrpow0+elr16",
+    "fair_table": {"arms": "adams+elr16,sma99t+elr16,sma99t+budget1+elr16",
                    "lrs": "1e-3,2e-3,3e-3,4e-3", "seeds": "1337,1"},
     # the methods as the tiny experiments ship them (each table at 16 lr), on each evaluation
     # corpus in turn (one study each, NAME_<corpus>); the grid holds every shipped lr (2e-3, 3e-3)

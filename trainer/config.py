@@ -23,7 +23,7 @@ from models.config import ModelConfig
 from core.optim import DenseOptimizerConfig, embedding_lr_scale
 from scape.config import optimizer_config
 from sdp.config import SDPConfig
-from trainer.schedule import LrSchedule
+from core.schedule import LrSchedule
 
 
 Precision = Literal["auto", "bf16", "fp32"]  # auto: bf16 autocast on CUDA, fp32 on CPU

@@ -257,8 +257,8 @@ def _add_dense(est: MemoryEstimate, cfg: Any, held: int, largest: int, world: in
 
 
 def _masks(cfg: Any, padded: int, world: int) -> Tuple[int, int]:
-    """(partition size, the most values per partition a sparse step sends): the schedule's density
-    (scape/masking.py) at the first sparse step, at the peak and at the floor of the lr."""
+    """(partition size, the most values per partition a sparse step sends): SCAPE's schedule
+    (scape/masking.py) at the first sparse step, sparse averaging's plan at its densest one."""
     import torch
 
     from scape.masking import MaskExchange
@@ -266,12 +266,15 @@ def _masks(cfg: Any, padded: int, world: int) -> Tuple[int, int]:
     from scape.partition import Partitioning
 
     layout = Partitioning(padded, world, world)
+    if cfg.optimizer.name == "sparse_avg":  # the byte budget's plan (scape/budget.py): its densest step
+        from scape.budget import density_plan
+
+        o = as_dataclass(cfg.optimizer)
+        copies = max(1, world // int(o.ranks_per_copy))
+        plan = density_plan(o, padded, world, copies, int(cfg.train.steps))
+        return layout.partition_size, max(layout.k(d) for d in plan.densities[o.dense_warmup_steps:] or [1.0])
     masks = MaskExchange(as_dataclass(cfg.optimizer), layout, torch.device("meta"), "estimate", None)
-    first_sparse, most = cfg.optimizer.dense_warmup_steps + 1, 0
-    for ratio in (1.0, float(cfg.optimizer.min_lr_ratio)):
-        masks.lr_ratio = ratio
-        most = max(most, masks.k_at(first_sparse))
-    return layout.partition_size, most
+    return layout.partition_size, masks.k_at(cfg.optimizer.dense_warmup_steps + 1)
 
 
 def _topk_bytes(cfg: Any, partition: int, k: int, device_type: str) -> float:

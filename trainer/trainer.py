@@ -27,7 +27,7 @@ from trainer.metrics import MetricsLogger, MetricsProcessor
 from trainer.parts import build_model_and_sync
 from trainer.profile import StepProfiler
 from trainer.run_folder import RunFolder, holds_a_run
-from trainer.schedule import lr_at
+from core.schedule import lr_at
 from trainer.step import StepResult, train_step
 from trainer.validate import DownstreamEvaluator, Validator
 

@@ -10,7 +10,7 @@ copy_divergence = load_script("copy_divergence")
 
 def test_copies_of_a_sparse_avg_checkpoint(tmp_path, prepared_cache, capsys):
     check(train_cli([*TINY, f"out_dir={tmp_path}", f"data.cache_dir={prepared_cache}", "optimizer=sparse_avg",
-                     "optimizer.sparsity=0.9", "optimizer.sparsity_warmup_steps=0", "optimizer.lr=3e-3",
+                     "optimizer.byte_budget=0.01", "optimizer.sparsity_warmup_steps=0", "optimizer.lr=3e-3",
                      "train.steps=4", "train.eval_every=0", "run_name=run"], nproc=2))
     run = tmp_path / "run"
     final = json.loads((run / "summary.json").read_text())["final_val_loss"]

@@ -97,13 +97,14 @@ def test_composed_arms_follow_their_recipe_and_bad_names_are_refused(monkeypatch
     assert dense["optimizer.param_groups"] == "[{match:embedding,lr_scale:16}]"
     slope = dict(i.split("=", 1) for i in study.compose_arm("sma99t+lsp0.5").overrides)
     assert (slope["optimizer.local_step_scale"], slope["optimizer.local_step_scale_power"]) == ("0", "0.5")
-    # the density follows (lr / peak lr)^0.5, capped at the peak lr (lrpow is not lr + pow0.5)
-    halfway = dict(i.split("=", 1) for i in study.compose_arm("sma99t+lrpow0.5+sp0.7+minsp0.72+q0").overrides)
-    assert (halfway["optimizer.density_lr_power"], halfway["optimizer.min_sparsity"]) == ("0.5", "0.72")
-    assert halfway["optimizer.sparsity"] == "0.7" and halfway["optimizer.value_bits"] == "0"
-    assert "optimizer.lr" not in halfway and study.compose_arm("sma99t+lrpow") is None
+    # the byte budget (budget1: the dense bytes a step, so density 1 throughout)
+    budget = dict(i.split("=", 1) for i in study.compose_arm("sma99t+budget0.02+q0").overrides)
+    assert budget["optimizer.byte_budget"] == "0.02" and budget["optimizer.value_bits"] == "0"
+    assert study.compose_arm("sma99t+budget") is None
     # the parts of the rules that lost are gone (docs/JOURNAL.md)
-    for gone in ("sma99t+cyc", "sma99t+om0.9", "sma99t+clipsh", "sma99t+own", "sma99t+ownfl2", "sma99t+dbeta0.5", "scape99+clip", "sma99+warm20"):
+    for gone in ("sma99t+cyc", "sma99t+om0.9", "sma99t+clipsh", "sma99t+own", "sma99t+ownfl2", "sma99t+dbeta0.5",
+                 "scape99+clip", "sma99+warm20", "sma99t+lrpow0.5", "sma99t+minsp0.72", "sma99t+invlr0.8",
+                 "sma99t+withlr"):
         assert study.compose_arm(gone) is None, gone
     # a part's name may end in e (the number is split off, not every trailing e, digit or dash)
     monkeypatch.setitem(study._PARTS, "wide", (["optimizer.step_bound=wide"], "wide"))

@@ -68,7 +68,9 @@ def test_each_optimizer_file_equals_its_dataclass(name):
 @pytest.mark.parametrize("overrides,needle", [
     (["+optimizer.lrr=1"], "optimizer.lrr=1 is not a key; optimizer=adamw does not use it"),
     (["optimizer=adamw", "optimizer.sparsity=1.5"], "optimizer.sparsity"),
-    (["optimizer=adamw", "+optimizer.sparsity=0.5"], "optimizer.sparsity=0.5 is a sparse_avg option; optimizer=adamw"),
+    (["optimizer=adamw", "+optimizer.sparsity=0.5"], "optimizer.sparsity=0.5 is a SCAPE option; optimizer=adamw"),
+    (["optimizer=adamw", "+optimizer.byte_budget=0.02"], "optimizer.byte_budget=0.02 is a sparse_avg option; optimizer=adamw"),
+    (["optimizer=sparse_avg", "+optimizer.sparsity=0.7"], "optimizer.sparsity=0.7 is a SCAPE option; optimizer=sparse_avg"),
     (["optimizer=sparse_avg", "+optimizer.lag=false"], "optimizer.lag=False is a SCAPE option; optimizer=sparse_avg"),
     (["optimizer=scape", "+optimizer.value_bits=2"], "optimizer.value_bits=2 is a sparse_avg option; optimizer=scape"),
     # a parameter group: an unknown field, a second group, another optimizer's setting

@@ -22,7 +22,7 @@ ARMS = {
     "adams": ["optimizer=adams"],
     "scape": ["optimizer=scape", "optimizer.sparsity=0.9"],
     "scape_sharded": ["optimizer=scape", "optimizer.sparsity=0.9", "optimizer.shard=true"],
-    "sparse_avg": ["optimizer=sparse_avg", "optimizer.sparsity=0.9"],  # cyclic mask (the default)
+    "sparse_avg": ["optimizer=sparse_avg", "optimizer.byte_budget=0.01"],  # cyclic mask (the default)
     "sdp": ["optimizer=adams", "sdp=block", "sdp.coverage=0.5"],
 }
 STEPS, STOP = 10, 5

@@ -3,7 +3,7 @@ import math
 import pytest
 
 from trainer.config import ConfigError, accumulation_steps
-from trainer.schedule import lr_at
+from core.schedule import lr_at
 
 
 def test_warmup_then_cosine_to_floor():
