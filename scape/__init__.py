@@ -24,7 +24,7 @@ __all__ = ["OptimizerConfig", "build_synchronizer"]
 def build_synchronizer(model: torch.nn.Module, cfg: OptimizerConfig, comm: Optional[Collectives] = None,
                        steps: Optional[int] = None):
     """The synchroniser for ``model``: SCAPE (``cfg.name=scape``; sharded with ``cfg.shard``) or
-    sparse model averaging (``cfg.name=sparse_avg``, scape/averaging.py), whose byte budget is
+    sparse model averaging (``cfg.name=sparse_avg``, scape/sparse_averaging.py), whose byte budget is
     spread over the run's ``steps``."""
     name = cfg["name"] if hasattr(cfg, "keys") else cfg.name
     shard = bool(cfg.get("shard", False) if hasattr(cfg, "keys") else cfg.shard)
@@ -32,7 +32,7 @@ def build_synchronizer(model: torch.nn.Module, cfg: OptimizerConfig, comm: Optio
         if shard:
             raise ValueError("optimizer.shard=true is not supported with optimizer=sparse_avg (each "
                              "rank keeps its own model copy and momentum); set optimizer.shard=false")
-        from scape.averaging import SparseAverageSynchronizer
+        from scape.sparse_averaging import SparseAverageSynchronizer
 
         return SparseAverageSynchronizer(model, cfg, comm=comm, steps=steps)
     if name != "scape":

@@ -55,7 +55,7 @@ class ScapeConfig(DenseOptimizerConfig):
 
 @dataclass
 class SparseAverageConfig(DenseOptimizerConfig):
-    """Sparse model averaging (scape/averaging.py): every rank steps its own copy over one shared
+    """Sparse model averaging (scape/sparse_averaging.py): every rank steps its own copy over one shared
     denominator; each step averages the drifts of the next window of a fixed cycle of
     coordinates, as 2-bit codes through a compressed all-reduce, as many a step as the byte
     budget plans from the run's lr schedule (scape/budget.py)."""

@@ -10,7 +10,7 @@ of zeros has step 0 and reads back as zeros. The codes are packed 8 / b to a byt
 Mid-rise codes have no level at 0: a value far below its block's RMS reads back as half a step.
 ``midtread=True`` (2 or 4 bits) uses the 2^b - 1 levels floor(v / step + 1/2) step instead, one
 of them 0, at the cost of one level. No config selects it: sparse averaging sends mid-rise codes
-(scape/averaging.py); the variant stays while the kernels (``scape.kernels``) and
+(scape/sparse_averaging.py); the variant stays while the kernels (``scape.kernels``) and
 scripts/gpu_check.py carry it.
 
 A block holding a NaN or an Inf has a NaN or Inf scale (kept so through the bf16 rounding of the

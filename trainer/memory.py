@@ -330,7 +330,7 @@ def _add_scape(est: MemoryEstimate, cfg: Any, padded: int, world: int, device_ty
 
 
 def _add_sparse_avg(est: MemoryEstimate, cfg: Any, padded: int, world: int, device_type: str) -> None:
-    """Sparse model averaging (scape/averaging.py): the copy y_i (the parameters), x, the local
+    """Sparse model averaging (scape/sparse_averaging.py): the copy y_i (the parameters), x, the local
     momentum and the shared denominator, each over the whole flat buffer."""
     from core.optim import override_group
 

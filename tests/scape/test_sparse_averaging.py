@@ -17,7 +17,7 @@ from core.flat import FlatParameters, param_groups
 from core.optim import AdamS
 from core.sync import DenseAllReduce
 from scape.accounting import scape_step_bytes
-from scape.averaging import SparseAverageSynchronizer, default_local_step_scale, sparse_avg_step_bytes
+from scape.sparse_averaging import SparseAverageSynchronizer, default_local_step_scale, sparse_avg_step_bytes
 from scape.config import SparseAverageConfig, optimizer_config
 from sdp.config import SDPConfig
 from tests.dist_helpers import run_distributed
@@ -628,7 +628,7 @@ def _lr_scale_is_a_table_in_other_units(rank: int, world: int) -> None:
 def test_the_tables_denominator_has_its_own_memory():
     """A group's denominator_beta b_e: D^2 folds q^2 with b_e^S on the table's coordinates and
     b^S elsewhere (S the steps covered), each bias-corrected by its own beta."""
-    from scape.averaging import _SharedNormalizer
+    from scape.sparse_averaging import _SharedNormalizer
 
     sync = averaging(TokenModel(), avg_config(**table_group(denominator_beta=0.3)))
     memory = sync.normalizer.memory
@@ -1058,7 +1058,7 @@ def test_where_the_codes_error_drives_d_up_it_stays_finite():
     """A coordinate whose drift at each exchange is the codes' error, not its own step (here a
     constant 4 lr sums): q = drift D / lr sum grows with D, so D compounds at every exchange. It
     stops at what keeps q^2 finite in fp32, and a drift of exactly 0 there gives no nan."""
-    from scape.averaging import _SharedNormalizer
+    from scape.sparse_averaging import _SharedNormalizer
 
     n = _SharedNormalizer(torch.zeros(3), beta=0.95, eps=1e-8, memory=0.2)
     n.start(torch.full((3,), 1e-4))
