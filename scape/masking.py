@@ -303,6 +303,14 @@ class MaskedSynchronizer(GradientSynchronizer):
 
     masks: MaskExchange
 
+    # the loop passes the skip decision to step() and always calls after_step()
+    takes_skip_flag = True
+
+    def _skips(self, skip: Optional[torch.Tensor]) -> bool:
+        """The step's one host read: whether to skip, after the reduction and the clip are queued;
+        False without a flag (SDP's loop skips step() itself)."""
+        return skip is not None and bool(skip)
+
     def _flatten(self, model: torch.nn.Module, owner: str, num_partitions: Optional[int] = None,
                  comm: Optional[Collectives] = None) -> int:
         """Set comm (the collectives, a fresh counter when none is given: pass ``self.comm`` on to

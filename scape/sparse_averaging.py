@@ -396,6 +396,7 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         self._local_norm: Optional[torch.Tensor] = None
         self._global_sq: Optional[torch.Tensor] = None  # sum over ranks of ||g_i||^2
         self._sent = 0  # coordinates averaged this step
+        self._skipped = False  # step() skipped: after_step leaves the mask for the retry
 
     def _planned(self, steps: Optional[int]) -> Callable[[int], float]:
         if steps is None:
@@ -512,16 +513,21 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
         return payload[:count].float().div_(self.copies), kept
 
     @torch.no_grad()
-    def clip_gradients(self, max_norm: float) -> float:
-        """Clip this rank's gradient by its own norm; return the ranks' RMS norm (the same everywhere)."""
-        total = float(self._global_sq)
-        rms = math.sqrt(total / self.copies) if math.isfinite(total) else total
+    def clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """Clip this rank's gradient by its own norm; return the ranks' RMS norm (the same
+        everywhere), on the device (float64, as the loop logs it)."""
         if max_norm > 0:
             self.flat.grad.mul_(torch.clamp(max_norm / (self._local_norm + 1e-6), max=1.0))
-        return rms
+        return self._global_sq.double().div(self.copies).sqrt_().reshape(())
 
     @torch.no_grad()
-    def step(self, lr: float) -> None:
+    def step(self, lr: float, skip: Optional[torch.Tensor] = None) -> None:
+        """The local step, unless ``skip`` (some rank's loss or the ranks' norm is not finite):
+        then nothing moves, and after_step keeps the mask for the retry. The drifts the
+        reduction averaged stay averaged: the copies moved toward their mean, not by a step."""
+        self._skipped = self._skips(skip)
+        if self._skipped:
+            return
         step = self.step_count + 1
         if step == 1:  # the only dense gradient exchange: the clipped gradient, whose mean
             # starts D and is every rank's step-1 gradient (a dense first step)
@@ -536,6 +542,9 @@ class SparseAverageSynchronizer(MaskedSynchronizer):
 
     @torch.no_grad()
     def after_step(self) -> None:
+        if self._skipped:  # the retry uses the mask held
+            self._skipped = False
+            return
         following = self.step_count + 1
         self.masks.overlap = None
         if self.is_dense(following):

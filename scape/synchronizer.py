@@ -195,14 +195,6 @@ class ScapeSynchronizer(MaskedSynchronizer):
             self._folded = False
         return norm
 
-    # the loop passes the skip decision to step() and always calls after_step()
-    takes_skip_flag = True
-
-    def _skips(self, skip: Optional[torch.Tensor]) -> bool:
-        """The step's one host read: whether to skip (see the module doc); False without a flag
-        (SDP's loop skips step() itself)."""
-        return skip is not None and bool(skip)
-
     @torch.no_grad()
     def step(self, lr: float, skip: Optional[torch.Tensor] = None) -> None:
         step = self.step_count + 1

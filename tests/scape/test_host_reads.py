@@ -1,7 +1,8 @@
-"""SCAPE, sharded SCAPE and ZeRO-1 make no host read between log steps but the ones they name.
+"""SCAPE, sharded SCAPE, ZeRO-1 and sparse averaging make no host read between log steps but the
+ones they name.
 
 tests/trainer/test_step.py counts the dense loop's host reads; this counts SCAPE's, sharded
-SCAPE's and ZeRO-1's, in the Trainer's own loop on 2 gloo ranks, with a counting shim at two
+SCAPE's, ZeRO-1's and sparse averaging's, in the Trainer's own loop on 2 gloo ranks, with a counting shim at two
 levels: the Python methods that read a tensor on the host (``item``, ``float``, ``bool``,
 ``int``, ``tolist``, ``numpy``) and a dispatch mode that sees every ATen op, and fails on those
 that wait for the device (``_local_scalar_dense``, ``nonzero``, ``masked_select``, ``equal``,
@@ -9,8 +10,9 @@ that wait for the device (``_local_scalar_dense``, ``nonzero``, ``masked_select`
 
 The reads each path is allowed between log steps, and no more:
 
-- SCAPE and sharded SCAPE: ``ScapeSynchronizer._skips``, the skip flag, once a step (SCAPE's
-  step count, schedule and bias correction are host numbers, as dense AdamS's are);
+- SCAPE, sharded SCAPE and sparse averaging: ``MaskedSynchronizer._skips``, the skip flag, once
+  a step (their step counts, schedules and bias corrections are host numbers, as dense AdamS's
+  are);
 - SCAPE with the backward overlap or an offloaded residual: ``MaskExchange.host_view`` once a
   step, the mask's bucket / chunk positions (and, offloaded, the mask itself) for the host's
   slicing; on CUDA a pinned copy behind an event queued when the mask was decoded;
@@ -43,6 +45,7 @@ VARIANTS = {  # overrides, {permitted reader: reads allowed per quiet step}
     "scape_unoverlapped": ([*SCAPE, "optimizer.overlap_backward=false"], {"skip": 1, "host_view": 0}),
     "scape_sharded": ([*SCAPE, "optimizer.shard=true"], {"skip": 1, "host_view": 0}),
     "zero1_fused_adamw": (["optimizer=adamw", "optimizer.shard=true"], {"skip": 0, "host_view": 0}),
+    "sparse_avg": (["optimizer=sparse_avg"], {"skip": 1, "host_view": 0}),
 }
 
 
@@ -78,7 +81,7 @@ def _body(rank: int, world: int, cache: str, out_dir: str, variant: str) -> None
     import scape.topk
     from core.distributed import init_distributed
     from models.loss import _LinearCrossEntropy
-    from scape.masking import _HostView
+    from scape.masking import MaskedSynchronizer, _HostView
     from scape.synchronizer import ScapeSynchronizer
     from trainer.config import register_configs, to_config
     from trainer.step import StepResult
@@ -103,6 +106,8 @@ def _body(rank: int, world: int, cache: str, out_dir: str, variant: str) -> None
         assert (overlap is not None) == ("unoverlapped" not in variant and "sharded" not in variant)
         assert overlap is None or len(overlap.buckets) > 4
         assert run.sync.residual.offload == ("offload" in variant)
+    elif variant == "sparse_avg":
+        assert type(run.sync).__name__ == "SparseAverageSynchronizer"
     else:
         assert run.sync.skips_on_device
 
@@ -143,7 +148,7 @@ def _body(rank: int, world: int, cache: str, out_dir: str, variant: str) -> None
 
     patches = [(_LinearCrossEntropy, "backward", staticmethod(permitted(_LinearCrossEntropy.backward))),
                (StepResult, "read", permitted(StepResult.read)),
-               (ScapeSynchronizer, "_skips", permitted(ScapeSynchronizer._skips, "skip")),
+               (MaskedSynchronizer, "_skips", permitted(MaskedSynchronizer._skips, "skip")),
                # a host view is read once per mask; later calls return what was read
                (_HostView, "read", permitted(_HostView.read, "host_view", lambda view: view._read is None)),
                (type(run.metrics), "step_metrics", permitted(type(run.metrics).step_metrics)),

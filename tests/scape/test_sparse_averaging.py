@@ -837,7 +837,13 @@ def _global_norm_and_nonfinite(rank: int, world: int) -> None:
     if rank == 1:
         sync.flat.grad[3] = float("nan")
     sync.reduce_gradients()
-    assert not math.isfinite(sync.clip_gradients(1.0))
+    norm = sync.clip_gradients(1.0)
+    assert isinstance(norm, torch.Tensor) and not math.isfinite(norm)  # on the device: no host read
+    held, weights = sync.masks.mask_for(4).clone(), sync.flat.data.clone()
+    sync.step(1e-2, skip=~torch.isfinite(norm))  # as the loop passes it
+    sync.after_step()
+    assert sync.step_count == 3 and torch.equal(sync.flat.data, weights)
+    assert torch.equal(sync.masks.mask_for(4), held)
     sync.zero_grad()
     model(*batch(rank, 4)).backward()
     sync.reduce_gradients()
