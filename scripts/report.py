@@ -394,10 +394,10 @@ def build_network() -> List[str]:
     header = ["link", "arm (2 ranks over a tc-shaped veth pair)", "bytes per step", "step time (s)",
               "speed against DDP AdamS"]
     ttl = load("time_to_loss.json")["rates"]["1gbit"]["time_to_loss"]
-    ttl_rows = [[f"`{arm}`", str(ttl[arm]["steps"]), f"{ttl[arm]['train_wall_s']:.1f}",
+    ttl_rows = [[f"`{arm}`", str(ttl[arm]["steps"]) if ttl[arm]["reached"] else f"not in {ttl[arm]['steps']}", f"{ttl[arm]['train_wall_s']:.1f}",
                  "1" if arm == ttl["reference"] else f"{ttl[arm]['wall_vs_reference']:.3f}",
                  "1" if arm == ttl["reference"] else f"{ttl[arm]['bytes_vs_reference']:.3f}"]
-                for arm in (ttl["reference"], "scape90", "scape99")]
+                for arm in (ttl["reference"], "scape90", "scape99", "sparse_avg") if arm in ttl]
     return [*table(header, network_rows(over, ["adams", "adams_after_backward", "scape90", "scape99"])), "",
             "Sparse averaging, in a run of its own:", "",
             *table(header, network_rows(avg, ["adams", "scape99", "sparse_avg"])), "",
