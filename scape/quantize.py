@@ -7,11 +7,8 @@ code c = clamp(floor(v / step) + 2^(b-1), 0, 2^b - 1) and is read back as
 (c - 2^(b-1) + 1/2) step: at 1 bit the sign times the mean absolute value of a Gaussian. A block
 of zeros has step 0 and reads back as zeros. The codes are packed 8 / b to a byte.
 
-Mid-rise codes have no level at 0: a value far below its block's RMS reads back as half a step.
-``midtread=True`` (2 or 4 bits) uses the 2^b - 1 levels floor(v / step + 1/2) step instead, one
-of them 0, at the cost of one level. No config selects it: sparse averaging sends mid-rise codes
-(scape/sparse_averaging.py); the variant stays while the kernels (``scape.kernels``) and
-scripts/gpu_check.py carry it.
+Mid-rise codes have no level at 0: a value far below its block's RMS reads back as half a step
+(a mid-tread variant with a level at 0 lost in the study: docs/JOURNAL.md).
 
 A block holding a NaN or an Inf has a NaN or Inf scale (kept so through the bf16 rounding of the
 scale, see ``scape.kernels``) and reads back non-finite, at the sender and at every receiver: the
@@ -32,10 +29,6 @@ from scape import kernels
 BLOCK = 64
 STEP_PER_RMS = {1: 1.596, 2: 0.9957, 4: 0.3352}
 BITS = tuple(STEP_PER_RMS)
-# mid-tread (``midtread=True``, which no config selects): 2^b - 1 levels, one of them 0, with the
-# step of least squared error on a Gaussian among those (computed as Max did)
-MIDTREAD_STEP_PER_RMS = {2: 1.224, 4: 0.3534}
-MIDTREAD_BITS = tuple(MIDTREAD_STEP_PER_RMS)
 
 
 def packed_nbytes(count: int, bits: int, scale_bytes: int) -> int:
@@ -47,21 +40,18 @@ def _shifts(bits: int, device) -> torch.Tensor:
     return torch.arange(0, 8, bits, dtype=torch.uint8, device=device)
 
 
-def quantize(values: torch.Tensor, bits: int, scale_dtype: torch.dtype,
-             midtread: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize(values: torch.Tensor, bits: int, scale_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(packed codes as uint8, one scale per block in ``scale_dtype``, the values they read back
     as) of a 1-D fp32 tensor. The read-back equals ``dequantize`` of the first two, bit for bit:
     the sender's error feedback needs it and need not unpack what it just packed. One pass of a
     Triton kernel on CUDA (``scape.kernels``), the PyTorch reference elsewhere."""
-    step_per_rms = (MIDTREAD_STEP_PER_RMS if midtread else STEP_PER_RMS)[bits]
-    return kernels.quantize_blocks(values, bits, step_per_rms, BLOCK, scale_dtype, midtread)
+    return kernels.quantize_blocks(values, bits, STEP_PER_RMS[bits], BLOCK, scale_dtype)
 
 
-def dequantize(packed: torch.Tensor, scale: torch.Tensor, bits: int, count: int,
-               midtread: bool = False) -> torch.Tensor:
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """The fp32 values that ``quantize``'s codes and scales stand for (``count`` of them)."""
     codes = (packed[:, None] >> _shifts(bits, packed.device)) & (2 ** bits - 1)
-    zero, shift, _ = kernels.reference.code_layout(bits, midtread)
+    zero, shift, _ = kernels.reference.code_layout(bits)
     values = codes.view(-1)[:count].float().sub_(zero - 0.5 + shift)
     step, full = scale.float(), count // BLOCK * BLOCK
     values[:full].view(-1, BLOCK).mul_(step[:full // BLOCK, None])

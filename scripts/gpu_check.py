@@ -261,15 +261,13 @@ def _probe_updates(ctx: Context, checks: Checks, backends) -> None:
 
 
 def _probe_quantizer(ctx: Context, checks: Checks, backends) -> None:
-    from scape.quantize import BLOCK, MIDTREAD_STEP_PER_RMS, STEP_PER_RMS
+    from scape.quantize import BLOCK, STEP_PER_RMS
 
     values, specials = _with_specials(ctx.size(1_000_003, 4099), ctx.device, 5)
     blocks = torch.unique(specials // BLOCK)
-    for bits, midtread, scale_dtype in ((1, False, torch.bfloat16), (2, False, torch.bfloat16),
-                                        (4, False, torch.float32), (2, True, torch.bfloat16)):
-        step = (MIDTREAD_STEP_PER_RMS if midtread else STEP_PER_RMS)[bits]
-        outs = [m.quantize_blocks(values, bits, step, BLOCK, scale_dtype, midtread) for m in backends]
-        label = f"quantize {bits}-bit{' mid-tread' if midtread else ''}, {str(scale_dtype)[6:]} scales"
+    for bits, scale_dtype in ((1, torch.bfloat16), (2, torch.bfloat16), (4, torch.float32)):
+        outs = [m.quantize_blocks(values, bits, STEP_PER_RMS[bits], BLOCK, scale_dtype) for m in backends]
+        label = f"quantize {bits}-bit, {str(scale_dtype)[6:]} scales"
         _same_specials(checks, f"{label}: scales", outs[0][1], outs[1][1], blocks)
         read_back = outs[0][2].view(-1)
         nonfinite_blocks = torch.stack([(~torch.isfinite(read_back[b * BLOCK:(b + 1) * BLOCK])).any() for b in blocks])

@@ -57,8 +57,8 @@ def adams_dense_update(param: torch.Tensor, momentum: torch.Tensor, grad: torch.
 
 
 def quantize_blocks(values: torch.Tensor, bits: int, step_per_rms: float, block: int,
-                    scale_dtype: torch.dtype, midtread: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backend(values).quantize_blocks(values, bits, step_per_rms, block, scale_dtype, midtread)
+                    scale_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backend(values).quantize_blocks(values, bits, step_per_rms, block, scale_dtype)
 
 
 def set_bit_positions(packed: torch.Tensor) -> torch.Tensor:

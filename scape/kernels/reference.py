@@ -125,16 +125,14 @@ def adams_dense_update(param: torch.Tensor, momentum: torch.Tensor, grad: torch.
     param.addcdiv_(momentum / bias_correction, denom, value=-lr)
 
 
-def code_layout(bits: int, midtread: bool) -> Tuple[int, float, int]:
-    """(the code of the level at or just above 0, what is added to v / step before the floor, the
-    top code). Mid-rise: 2^b levels at (c - 2^(b-1) + 1/2) step. Mid-tread: 2^b - 1 levels at
-    (c - 2^(b-1) + 1) step, one of them 0, the top code unused."""
-    half = 2 ** (bits - 1)
-    return (half - 1, 0.5, 2 ** bits - 2) if midtread else (half, 0.0, 2 ** bits - 1)
+def code_layout(bits: int) -> Tuple[int, float, int]:
+    """(the code of the level just above 0, what is added to v / step before the floor, the top
+    code): mid-rise, 2^b levels at (c - 2^(b-1) + 1/2) step."""
+    return 2 ** (bits - 1), 0.0, 2 ** bits - 1
 
 
 def quantize_blocks(values: torch.Tensor, bits: int, step_per_rms: float, block: int,
-                    scale_dtype: torch.dtype, midtread: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    scale_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``scape.quantize.quantize``: (packed codes, one scale per block, the values they read back as)."""
     count = values.numel()
     padded = math.ceil(count / block) * block
@@ -147,7 +145,7 @@ def quantize_blocks(values: torch.Tensor, bits: int, step_per_rms: float, block:
     # the scale is rounded to what travels first, so that both ends read the same step
     scale = blocks.square().mean(dim=1).sqrt_().mul_(step_per_rms).to(scale_dtype)
     step = scale.float()[:, None]
-    zero, shift, top = code_layout(bits, midtread)
+    zero, shift, top = code_layout(bits)
     codes = torch.div(blocks, torch.where(step > 0, step, 1.0)).add_(shift).floor_().add_(zero).clamp_(0, top)
     read_back = (codes - (zero - 0.5 + shift)).mul_(step).view(-1)[:count]
     per_byte = 8 // bits

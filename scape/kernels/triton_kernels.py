@@ -193,7 +193,7 @@ def adams_dense_update(param: torch.Tensor, momentum: torch.Tensor, grad: torch.
 
 
 def quantize_blocks(values: torch.Tensor, bits: int, step_per_rms: float, block: int,
-                    scale_dtype: torch.dtype, midtread: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    scale_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if scale_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"quantized scales travel as bf16 or fp32, not {scale_dtype}")
     count = values.numel()
@@ -203,7 +203,7 @@ def quantize_blocks(values: torch.Tensor, bits: int, step_per_rms: float, block:
     read_back = torch.empty(count, dtype=torch.float32, device=values.device)
     if count:
         rows = 16
-        zero, shift, top = code_layout(bits, midtread)
+        zero, shift, top = code_layout(bits)
         _quantize_kernel[(triton.cdiv(n_blocks, rows),)](
             values.contiguous(), packed, scale.view(torch.int16) if scale_dtype == torch.bfloat16 else scale,
             read_back, count, n_packed, n_blocks, step_per_rms, BITS=bits, BLOCK=block, ROWS=rows,

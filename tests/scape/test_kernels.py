@@ -112,15 +112,15 @@ def test_adams_dense_update_matches_reference():
     torch.testing.assert_close(m_tri, m_ref, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("bits,midtread", ((1, False), (2, False), (4, False), (2, True), (4, True)))
+@pytest.mark.parametrize("bits", (1, 2, 4))
 @pytest.mark.parametrize("scale_dtype", (torch.bfloat16, torch.float32))
 @pytest.mark.parametrize("count", (37 * 64, 37 * 64 + 21))  # a whole number of blocks, and a partial last one
-def test_quantize_blocks_matches_reference(bits, midtread, scale_dtype, count):
-    from scape.quantize import BLOCK, MIDTREAD_STEP_PER_RMS, STEP_PER_RMS, dequantize
+def test_quantize_blocks_matches_reference(bits, scale_dtype, count):
+    from scape.quantize import BLOCK, STEP_PER_RMS, dequantize
     gen = torch.Generator().manual_seed(bits)
     values = torch.randn(count, generator=gen) * torch.rand(count, generator=gen).square() * 1e-3
     values[5 * BLOCK:6 * BLOCK] = 0.0  # a block of zeros: step 0, read back as zeros
-    args = (bits, (MIDTREAD_STEP_PER_RMS if midtread else STEP_PER_RMS)[bits], BLOCK, scale_dtype, midtread)
+    args = (bits, STEP_PER_RMS[bits], BLOCK, scale_dtype)
     packed, scale, read_back = triton_kernels.quantize_blocks(values, *args)
     ref_packed, ref_scale, ref_back = reference.quantize_blocks(values, *args)
     # the block's sum of squares adds up in another order: an fp32 scale may lie one ulp away
@@ -131,7 +131,7 @@ def test_quantize_blocks_matches_reference(bits, midtread, scale_dtype, count):
     assert torch.equal(read_back[agree], ref_back[agree])
     step = ref_scale.float().repeat_interleave(BLOCK)[:count]
     assert ((read_back - ref_back).abs() <= 1.001 * step).all()
-    assert torch.equal(dequantize(packed, scale, bits, count, midtread), read_back)  # the receivers read what was kept
+    assert torch.equal(dequantize(packed, scale, bits, count), read_back)  # the receivers read what was kept
     if agree.all():
         assert torch.equal(packed, ref_packed)
     assert torch.equal(read_back[5 * BLOCK:6 * BLOCK], torch.zeros(BLOCK))
@@ -186,19 +186,19 @@ def _blocks_with_non_finite(count: int, block: int) -> tuple:
 
 @pytest.mark.parametrize("backend", _BACKENDS)
 @pytest.mark.parametrize("scale_dtype", (torch.bfloat16, torch.float32))
-@pytest.mark.parametrize("bits,midtread", ((1, False), (2, False), (4, True)))
-def test_quantize_blocks_keeps_nan_and_inf_in_scales_and_read_back(backend, scale_dtype, bits, midtread):
-    from scape.quantize import BLOCK, MIDTREAD_STEP_PER_RMS, STEP_PER_RMS, dequantize
+@pytest.mark.parametrize("bits", (1, 2, 4))
+def test_quantize_blocks_keeps_nan_and_inf_in_scales_and_read_back(backend, scale_dtype, bits):
+    from scape.quantize import BLOCK, STEP_PER_RMS, dequantize
     count = 12 * BLOCK + 9
     values, bad, bad_blocks = _blocks_with_non_finite(count, BLOCK)
-    args = (bits, (MIDTREAD_STEP_PER_RMS if midtread else STEP_PER_RMS)[bits], BLOCK, scale_dtype, midtread)
+    args = (bits, STEP_PER_RMS[bits], BLOCK, scale_dtype)
     packed, scale, read_back = _BACKENDS[backend].quantize_blocks(values, *args)
     nan_blocks = [bad_blocks[n] for n in ("cuda_nan", "cuda_negative_nan", "cpu_nan")] + [scale.numel() - 1]
     assert scale.float()[nan_blocks].isnan().all()
     assert torch.equal(scale.float()[[bad_blocks["inf"], bad_blocks["negative_inf"]]],
                        torch.full((2,), math.inf))
     in_bad = bad.repeat_interleave(BLOCK)[:count]
-    received = dequantize(packed, scale, bits, count, midtread)
+    received = dequantize(packed, scale, bits, count)
     # every value of a block holding a NaN or Inf reads back non-finite, at both ends: the
     # non-finite policy sees it and skips the step instead of applying zeros
     assert not read_back[in_bad].isfinite().any() and not received[in_bad].isfinite().any()

@@ -89,20 +89,16 @@ def roundtrip(obj):
     return torch.load(buffer, weights_only=True)
 
 
-def quantized(values: torch.Tensor, bits: int, scale_dtype: str, quantizer: str = "midrise") -> torch.Tensor:
+def quantized(values: torch.Tensor, bits: int, scale_dtype: str) -> torch.Tensor:
     """What b-bit codes say about ``values``: per 64 values a step of (Max's constant) x RMS,
-    rounded to the scale's dtype; mid-rise v -> (clamp(floor(v / step), -2^(b-1), 2^(b-1) - 1) + 1/2) step,
-    mid-tread v -> clamp(floor(v / step + 1/2), -(2^(b-1) - 1), 2^(b-1) - 1) step."""
+    rounded to the scale's dtype; v -> (clamp(floor(v / step), -2^(b-1), 2^(b-1) - 1) + 1/2) step."""
     blocks = torch.nn.functional.pad(values, (0, (-values.numel()) % 64)).view(-1, 64)
     rms = blocks.square().mean(dim=1).sqrt()
     dtype = torch.bfloat16 if scale_dtype == "bf16" else torch.float32
-    midtread = quantizer == "midtread"
-    per_rms = {2: 1.224, 4: 0.3534} if midtread else {1: 1.596, 2: 0.9957, 4: 0.3352}
+    per_rms = {1: 1.596, 2: 0.9957, 4: 0.3352}
     step = (rms * per_rms[bits]).to(dtype).float()[:, None]
     half = 2 ** (bits - 1)
     ratio = blocks / torch.where(step > 0, step, 1.0)
-    if midtread:
-        return (torch.floor(ratio + 0.5).clamp(1 - half, half - 1) * step).reshape(-1)[:values.numel()]
     return ((torch.floor(ratio).clamp(-half, half - 1) + 0.5) * step).reshape(-1)[:values.numel()]
 
 
