@@ -311,6 +311,11 @@ class MaskedSynchronizer(GradientSynchronizer):
         False without a flag (SDP's loop skips step() itself)."""
         return skip is not None and bool(skip)
 
+    def _retrying(self) -> bool:
+        """In after_step: whether the step was skipped (then the retry uses the mask held)."""
+        skipped, self._skipped = self._skipped, False
+        return skipped
+
     def _flatten(self, model: torch.nn.Module, owner: str, num_partitions: Optional[int] = None,
                  comm: Optional[Collectives] = None) -> int:
         """Set comm (the collectives, a fresh counter when none is given: pass ``self.comm`` on to

@@ -233,8 +233,7 @@ class ScapeSynchronizer(MaskedSynchronizer):
 
     @torch.no_grad()
     def after_step(self) -> None:
-        if self._skipped:  # the retry uses the mask held
-            self._skipped = False
+        if self._retrying():
             return
         following = self.step_count + 1
         self.masks.overlap = None
